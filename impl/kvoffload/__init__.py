@@ -1,0 +1,1 @@
+"""kvoffload: offload KV-cache blocks to a CPU block pool and back."""

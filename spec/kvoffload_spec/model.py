@@ -1,0 +1,131 @@
+"""The public reference model: validates every call, then runs the spec's transition.
+
+>>> from kvoffload_spec import Lookup, OffloadModel
+>>> model = OffloadModel(2)
+>>> plan = model.prepare_store(["a", "b"])
+>>> plan.keys, plan.block_ids, plan.evicted_keys
+(('a', 'b'), (0, 1), ())
+>>> model.lookup("a")
+<Lookup.PENDING: 'pending'>
+>>> model.complete_store(plan)
+>>> model.num_evictable_blocks
+2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError
+from kvoffload_spec.policies import POLICY_NAMES, new_order
+from kvoffload_spec.state import SpecState, invariant_violations
+from kvoffload_spec.surface import Event, Key, LoadPlan, Lookup, PlanT, StorePlan, new_owner_id
+from kvoffload_spec.validation import (
+    check_count,
+    check_flag,
+    check_key,
+    check_keys,
+    check_open_plan,
+    check_policy_name,
+)
+
+
+class SpecViolation(AssertionError):
+    """An invariant of the design does not hold: a bug in the model or the manager."""
+
+
+class OffloadModel:
+    """Reference state machine of a CPU KV-block offloading manager (see docs/spec.md)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: str = "lru",
+        *,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        enable_events: bool = False,
+    ) -> None:
+        check_count("num_blocks", num_blocks)
+        self.policy = check_policy_name(policy, POLICY_NAMES)
+        self.state = SpecState.empty(
+            num_blocks,
+            new_order(policy, num_blocks),
+            store_threshold=check_count("store_threshold", store_threshold),
+            max_tracker_size=check_count("max_tracker_size", max_tracker_size),
+            enable_events=check_flag("enable_events", enable_events),
+            owner=new_owner_id(),
+        )
+
+    # -- read-only views -------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.state.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.state.free_slots)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self.state.num_evictable
+
+    def lookup(self, key: Key) -> Lookup:
+        return self.state.lookup(check_key(key))
+
+    # -- operations ------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
+        """Plan to store ``keys``; None when they cannot all be placed (nothing changed)."""
+        return self.state.prepare_store(check_keys(keys))
+
+    def complete_store(self, plan: StorePlan, success: bool = True) -> None:
+        check_flag("success", success)
+        self.state.complete_store(self._open_plan(plan, StorePlan), success)
+
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
+        """Pin ``keys`` for reading. Raises ``BlockNotFoundError`` / ``BlockPendingError``
+        (subclasses of ``BlockNotReadyError``) if any key is not ready; then nothing changed.
+        """
+        for key in check_keys(keys):
+            self._require_ready(key)
+        return self.state.prepare_load(keys)
+
+    def complete_load(self, plan: LoadPlan) -> None:
+        self.state.complete_load(self._open_plan(plan, LoadPlan))
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        self.state.touch(check_keys(keys))
+
+    def reset_cache(self) -> None:
+        self.state.reset_cache()
+
+    def take_events(self) -> list[Event]:
+        """The events since the last call, oldest first (always empty unless enabled)."""
+        events = self.state.events
+        if events is None:
+            return []
+        taken = list(events)
+        events.clear()
+        return taken
+
+    def check_invariants(self) -> None:
+        problems = invariant_violations(self.state)
+        if problems:
+            raise SpecViolation("; ".join(problems))
+
+    # -- validation ------------------------------------------------------------------------
+
+    def _require_ready(self, key: Key) -> None:
+        found = self.state.lookup(key)
+        if found is Lookup.MISS:
+            raise BlockNotFoundError(f"cannot load {key!r}: it is not in the CPU pool")
+        if found is Lookup.PENDING:
+            raise BlockPendingError(f"cannot load {key!r}: its store has not completed yet")
+
+    def _open_plan(self, plan: object, kind: type[PlanT]) -> PlanT:
+        state = self.state
+        return check_open_plan(
+            plan, kind, owner=state.owner, open_plans=state.open_plans, issued=state.next_plan_id
+        )

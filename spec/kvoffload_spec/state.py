@@ -1,0 +1,368 @@
+"""The state of the offloading manager and its transitions, with their contracts.
+
+This is the heart of the spec. :class:`SpecState` takes all of its state in the constructor,
+so that a checker (CrossHair) can build arbitrary states; :func:`invariant_violations` says
+which of them are reachable-shaped. Each transition opens with ``assert`` preconditions (what
+the caller, :class:`~kvoffload_spec.model.OffloadModel`, has validated) and closes with
+``assert`` postconditions. Those asserts are the contract, not input validation: the public
+model raises typed errors before it ever calls a transition.
+
+Block states::
+
+    absent --prepare_store--> pending --complete_store(ok)----> ready(refs=0)
+       ^                        |                               |   ^
+       |                        +--complete_store(failed)--+    |   | prepare_load: refs+1
+       |                                                   |    |   | complete_load: refs-1
+       +----- evicted (only ready with refs == 0) ---------+----+
+       +----- reset_cache (every state) -------------------+
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
+from kvoffload_spec.surface import (
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    Key,
+    LoadPlan,
+    Lookup,
+    PlanT,
+    RemovalReason,
+    StorePlan,
+)
+
+
+@dataclass
+class Block:
+    """A resident block. ``store_plan`` is the id of its in-flight store while it is pending,
+    None once it is ready. ``refs`` counts the loads reading it (only ready blocks have any).
+    """
+
+    slot: int
+    refs: int = 0
+    store_plan: int | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.store_plan is None
+
+
+@dataclass
+class SpecState:
+    num_blocks: int
+    order: PolicyOrder
+    blocks: dict[Key, Block] = field(default_factory=dict)
+    free_slots: list[int] = field(default_factory=list)  # ascending
+    num_evictable: int = 0
+    generation: int = 0
+    open_plans: dict[int, StorePlan | LoadPlan] = field(default_factory=dict)
+    next_plan_id: int = 0
+    store_threshold: int = 1
+    max_tracker_size: int = 64_000
+    offers: dict[Key, int] = field(default_factory=dict)  # least recently offered first
+    events: list[Event] | None = None
+    owner: int = 0
+
+    @staticmethod
+    def empty(
+        num_blocks: int,
+        order: PolicyOrder,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        enable_events: bool = False,
+        owner: int = 0,
+    ) -> SpecState:
+        return SpecState(
+            num_blocks=num_blocks,
+            order=order,
+            free_slots=list(range(num_blocks)),
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+            events=[] if enable_events else None,
+            owner=owner,
+        )
+
+    # -- derived views -------------------------------------------------------------------
+
+    def evictable(self, key: Key) -> bool:
+        block = self.blocks.get(key)
+        return block is not None and block.ready and block.refs == 0
+
+    def count_evictable(self) -> int:
+        """What the ``num_evictable`` counter must always equal (invariant 1)."""
+        return sum(1 for block in self.blocks.values() if block.ready and block.refs == 0)
+
+    def _pending_on(self, key: Key, plan_id: int) -> bool:
+        block = self.blocks.get(key)
+        return block is not None and block.store_plan == plan_id
+
+    def lookup(self, key: Key) -> Lookup:
+        block = self.blocks.get(key)
+        if block is None:
+            return Lookup.MISS
+        return Lookup.HIT if block.ready else Lookup.PENDING
+
+    def snapshot(self) -> str:
+        """Everything a caller can observe, or a failed call could have disturbed."""
+        return repr(self)
+
+    # -- helpers of the transitions --------------------------------------------------------
+
+    def _emit(self, event: Event) -> None:
+        if self.events is not None and event.keys:
+            self.events.append(event)
+
+    def _open(self, plan: PlanT) -> PlanT:
+        self.next_plan_id += 1
+        self.open_plans[plan.plan_id] = plan
+        return plan
+
+    def _slot_of(self, key: Key) -> int:
+        return self.blocks[key].slot
+
+    def _release_slot(self, slot: int) -> None:
+        bisect.insort(self.free_slots, slot)
+
+    def _record_offers(self, keys: Sequence[Key]) -> None:
+        """The tracker behind ``store_threshold``: offers per key, bounded in size by
+        forgetting the least recently offered key. An observation, not cache state: it is
+        recorded also when the store then fails.
+        """
+        for key in keys:
+            count = self.offers.pop(key, 0) + 1
+            if len(self.offers) >= self.max_tracker_size:
+                del self.offers[next(iter(self.offers))]
+            self.offers[key] = count
+
+    # -- transitions -----------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
+        """Plan to store the absent ``keys``, evicting what the policy chooses to make room.
+
+        Pre: the state satisfies every invariant.
+        Post, on None: no cache state changed (only the offer tracker may have).
+        Post, on a plan: victims were ready, unpinned and not among ``keys``; they are now
+        absent; the candidates are pending in the lowest free slots, in call order; the
+        evictable counter dropped by exactly the number of victims.
+        """
+        assert not invariant_violations(self)
+        distinct = list(dict.fromkeys(keys))
+        absent = [key for key in distinct if key not in self.blocks]
+        resident = [key for key in distinct if key in self.blocks]
+        if self.store_threshold >= 2:
+            self._record_offers(absent)
+            candidates = [k for k in absent if self.offers.get(k, 0) >= self.store_threshold]
+        else:
+            candidates = absent
+        evictable_before = self.num_evictable
+        need = len(candidates) - len(self.free_slots)
+        victims: list[Key] = []
+        if need > 0:
+            # The guard of vLLM PR #45757: fail in O(1), without asking the policy, when
+            # even evicting every evictable block could not make room.
+            if need > self.num_evictable:
+                return None
+            protected = set(distinct)  # a key of this call must survive it
+            chosen = self.order.choose_victims(
+                need, lambda key: self.evictable(key) and key not in protected
+            )
+            if chosen is None:
+                return None
+            victims = chosen
+        for key in victims:
+            assert self.evictable(key) and key not in distinct
+            self._release_slot(self.blocks.pop(key).slot)
+            self.order.evicted(key)
+            self.num_evictable -= 1
+        self._emit(BlocksRemoved(tuple(victims), RemovalReason.EVICTED))
+        slots = self.free_slots[: len(candidates)]
+        del self.free_slots[: len(candidates)]
+        plan_id = self.next_plan_id
+        for key, slot in zip(candidates, slots, strict=True):
+            self.blocks[key] = Block(slot, store_plan=plan_id)
+            self.order.insert(key)
+        assert self.num_evictable == evictable_before - len(victims)
+        assert all(self.lookup(key) is Lookup.PENDING for key in candidates)
+        assert all(key in self.blocks for key in resident)
+        return self._open(
+            StorePlan(
+                tuple(candidates),
+                tuple(slots),
+                tuple(victims),
+                plan_id,
+                self.generation,
+                self.owner,
+            )
+        )
+
+    def complete_store(self, plan: StorePlan, success: bool) -> None:
+        """The store job of ``plan`` finished.
+
+        Pre: ``plan`` is open (issued by this state, not completed yet).
+        Post: the plan is closed. If it is stale (made before a reset) nothing else changed.
+        Otherwise each of its blocks that still belongs to it became ready with no refs
+        (success; the counter rose by one each) or absent with its slot free (failure).
+        """
+        assert self.open_plans.get(plan.plan_id) == plan
+        assert not invariant_violations(self)
+        del self.open_plans[plan.plan_id]
+        if plan.generation != self.generation:
+            return  # the ABA guard: these keys may have been stored again since the reset
+        evictable_before = self.num_evictable
+        done = [k for k in plan.keys if self._pending_on(k, plan.plan_id)]
+        for key in done:
+            block = self.blocks[key]
+            if success:
+                block.store_plan = None
+                self.num_evictable += 1
+            else:
+                del self.blocks[key]
+                self._release_slot(block.slot)
+                self.order.remove(key)
+        if success:
+            self._emit(BlocksStored(tuple(done)))
+            assert self.num_evictable == evictable_before + len(done)
+            assert all(self.lookup(key) is Lookup.HIT for key in done)
+        else:
+            self._emit(BlocksRemoved(tuple(done), RemovalReason.STORE_FAILED))
+            assert self.num_evictable == evictable_before
+            assert all(self.lookup(key) is Lookup.MISS for key in done)
+
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
+        """Pin each of ``keys`` (once per occurrence) so that it cannot be evicted while read.
+
+        Pre: every key is ready.
+        Post: each key's refs rose by its number of occurrences; the counter fell by the
+        number of distinct keys that had no refs before.
+        """
+        assert all(self.lookup(key) is Lookup.HIT for key in keys)
+        assert not invariant_violations(self)
+        newly_pinned = sum(1 for key in set(keys) if self.blocks[key].refs == 0)
+        evictable_before = self.num_evictable
+        for key in keys:
+            block = self.blocks[key]
+            if block.refs == 0:
+                self.num_evictable -= 1
+            block.refs += 1
+        assert self.num_evictable == evictable_before - newly_pinned
+        return self._open(
+            LoadPlan(
+                tuple(keys),
+                tuple(self.blocks[key].slot for key in keys),
+                self.next_plan_id,
+                self.generation,
+                self.owner,
+            )
+        )
+
+    def complete_load(self, plan: LoadPlan) -> None:
+        """The load job of ``plan`` finished: unpin what it pinned.
+
+        Pre: ``plan`` is open.
+        Post: the plan is closed; unless it is stale, each key's refs fell by its number of
+        occurrences, and a block left with no refs is evictable again.
+        """
+        assert self.open_plans.get(plan.plan_id) == plan
+        assert not invariant_violations(self)
+        del self.open_plans[plan.plan_id]
+        if plan.generation != self.generation:
+            return
+        # Pinned blocks cannot be evicted and only a reset (which makes the plan stale) drops
+        # them, so every key of a current load plan is still resident and pinned.
+        assert all(self.blocks[key].refs > 0 for key in plan.keys)
+        evictable_before = self.num_evictable
+        for key in plan.keys:
+            block = self.blocks[key]
+            block.refs -= 1
+            if block.refs == 0:
+                self.num_evictable += 1
+        released = sum(1 for key in set(plan.keys) if self.blocks[key].refs == 0)
+        assert self.num_evictable == evictable_before + released
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """Mark ``keys`` recently used; the first key ends up the most recent.
+
+        Post: the same blocks in the same states; only the policy's order (and ARC's
+        target) changed.
+        """
+        assert not invariant_violations(self)
+        before = repr(self.blocks)
+        self.order.touch(keys, lambda key: self.blocks[key].ready)
+        assert repr(self.blocks) == before
+
+    def reset_cache(self) -> None:
+        """Drop every block; a new generation begins, making every open plan stale.
+
+        Post: every slot is free, nothing is evictable, the open plans are still open (each
+        must still be completed once; doing so changes nothing).
+        """
+        assert not invariant_violations(self)
+        ready = sorted((k for k, b in self.blocks.items() if b.ready), key=self._slot_of)
+        self._emit(BlocksRemoved(tuple(ready), RemovalReason.RESET))
+        self.blocks.clear()
+        self.order.clear()
+        self.free_slots = list(range(self.num_blocks))
+        self.num_evictable = 0
+        self.generation += 1
+        assert all(plan.generation < self.generation for plan in self.open_plans.values())
+
+
+def invariant_violations(state: SpecState) -> list[str]:
+    """Every invariant of the design (DESIGN.md section 2) that ``state`` breaks, in words."""
+    problems: list[str] = []
+    n = state.num_blocks
+    blocks = state.blocks
+    counted = state.count_evictable()
+    if state.num_evictable != counted:
+        problems.append(
+            f"evictable counter is {state.num_evictable} but {counted} blocks are ready "
+            "with no refs"
+        )
+    pending = sum(1 for b in blocks.values() if not b.ready)
+    ready = len(blocks) - pending
+    if len(state.free_slots) + pending + ready != n:
+        problems.append(
+            f"free {len(state.free_slots)} + pending {pending} + ready {ready} != {n} blocks"
+        )
+    slots = [b.slot for b in blocks.values()]
+    if len(set(slots)) != len(slots):
+        problems.append(f"resident keys share slots: {sorted(slots)}")
+    if any(not 0 <= s < n for s in slots + state.free_slots):
+        problems.append(f"a slot is outside [0, {n})")
+    if set(slots) & set(state.free_slots) or state.free_slots != sorted(set(state.free_slots)):
+        problems.append(f"free slots {state.free_slots} overlap resident ones or repeat")
+    for key, b in blocks.items():
+        if b.refs < 0 or (not b.ready and b.refs != 0):
+            problems.append(f"{key!r} has refs {b.refs} while {'ready' if b.ready else 'pending'}")
+        plan = state.open_plans.get(b.store_plan) if b.store_plan is not None else None
+        if b.store_plan is not None and (plan is None or plan.generation != state.generation):
+            problems.append(f"{key!r} is pending on plan {b.store_plan}, which is not open now")
+    resident = state.order.resident()
+    if set(resident) != set(blocks) or len(resident) != len(blocks):
+        problems.append(f"policy order {resident} does not hold exactly the resident keys")
+    if isinstance(state.order, ArcOrder):
+        arc = state.order
+        lists = [arc.t1, arc.t2, arc.b1, arc.b2]
+        everything = [key for lst in lists for key in lst]
+        if len(everything) != len(set(everything)):
+            problems.append(f"ARC lists overlap: {arc!r}")
+        if len(arc.b1) > arc.capacity or len(arc.b2) > arc.capacity:
+            problems.append(f"ARC ghosts exceed capacity {arc.capacity}: {arc!r}")
+        if not 0 <= arc.p <= arc.capacity:
+            problems.append(f"ARC target p={arc.p} outside [0, {arc.capacity}]")
+    elif isinstance(state.order, LruOrder) and len(set(state.order.order)) != len(
+        state.order.order
+    ):
+        problems.append("LRU order repeats a key")
+    if len(state.offers) > max(state.max_tracker_size, 0):
+        problems.append(f"offer tracker holds {len(state.offers)} > {state.max_tracker_size}")
+    if any(p.generation > state.generation for p in state.open_plans.values()):
+        problems.append("an open plan belongs to a future generation")
+    if any(plan_id >= state.next_plan_id for plan_id in state.open_plans):
+        problems.append("an open plan has an id that was never issued")
+    return problems

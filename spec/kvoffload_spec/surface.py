@@ -1,0 +1,89 @@
+"""The values that cross the manager's public surface: lookups, plans and events.
+
+The spec and the production manager return these same classes, so a caller (or a
+differential test) can compare them field by field.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+Key = Hashable
+"""A block key: any hashable (engines use ``bytes`` hashes or ``int``). Never inspected."""
+
+
+class Lookup(enum.Enum):
+    """Where a key stands in the CPU pool."""
+
+    MISS = "miss"  # absent: not stored, or evicted, or dropped by a reset
+    PENDING = "pending"  # its store is in flight: not readable yet
+    HIT = "hit"  # ready: a load may read it
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """What ``prepare_store`` decided: copy ``keys[i]`` into CPU slot ``block_ids[i]``.
+
+    ``evicted_keys`` were dropped, in eviction order, to make room. The identity fields
+    (``plan_id``, ``generation``, ``owner``) let ``complete_store`` refuse a plan completed
+    twice or issued by another manager, and ignore a plan made before a reset.
+    """
+
+    keys: tuple[Key, ...]
+    block_ids: tuple[int, ...]
+    evicted_keys: tuple[Key, ...]
+    plan_id: int
+    generation: int
+    owner: int = field(compare=False)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What ``prepare_load`` pinned: read ``keys[i]`` from CPU slot ``block_ids[i]``.
+
+    A key listed twice is pinned twice and appears twice.
+    """
+
+    keys: tuple[Key, ...]
+    block_ids: tuple[int, ...]
+    plan_id: int
+    generation: int
+    owner: int = field(compare=False)
+
+
+class RemovalReason(enum.Enum):
+    EVICTED = "evicted"  # chosen by the policy to make room
+    STORE_FAILED = "store_failed"  # its store job reported failure; it never became readable
+    RESET = "reset"  # dropped by ``reset_cache``
+
+
+@dataclass(frozen=True)
+class BlocksStored:
+    """These keys became readable (their store completed successfully)."""
+
+    keys: tuple[Key, ...]
+
+
+@dataclass(frozen=True)
+class BlocksRemoved:
+    """These keys left the CPU pool."""
+
+    keys: tuple[Key, ...]
+    reason: RemovalReason
+
+
+Event = BlocksStored | BlocksRemoved
+
+PlanT = TypeVar("PlanT", StorePlan, LoadPlan)
+
+
+_owners = itertools.count(1)
+
+
+def new_owner_id() -> int:
+    """A number no other manager or model in this process has: plans carry their owner's."""
+    return next(_owners)
