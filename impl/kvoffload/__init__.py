@@ -1,1 +1,69 @@
-"""kvoffload: offload KV-cache blocks to a CPU block pool and back."""
+"""kvoffload: offload LLM KV-cache blocks to a CPU block pool and back.
+
+The error classes, plans, events and ``Lookup`` are the spec's own (``kvoffload_spec``), so
+``except kvoffload.OffloadError`` catches what both raise. Everything else is imported on
+first use: ``import kvoffload`` stays cheap and never imports torch until the data path is
+touched.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvoffload_spec.errors import (
+    BlockNotFoundError,
+    BlockNotReadyError,
+    BlockPendingError,
+    ForeignPlanError,
+    InvalidArgumentError,
+    OffloadError,
+    PlanAlreadyCompletedError,
+    PlanError,
+    UnknownPolicyError,
+)
+from kvoffload_spec.surface import (
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    Key,
+    LoadPlan,
+    Lookup,
+    RemovalReason,
+    StorePlan,
+)
+
+if TYPE_CHECKING:
+    pass  # each lazily exported name is imported here for type checkers
+
+# public name -> module that defines it; imported on first attribute access
+_LAZY: dict[str, str] = {}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvoffload' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "BlockNotFoundError",
+    "BlockNotReadyError",
+    "BlockPendingError",
+    "BlocksRemoved",
+    "BlocksStored",
+    "Event",
+    "ForeignPlanError",
+    "InvalidArgumentError",
+    "Key",
+    "LoadPlan",
+    "Lookup",
+    "OffloadError",
+    "PlanAlreadyCompletedError",
+    "PlanError",
+    "RemovalReason",
+    "StorePlan",
+    "UnknownPolicyError",
+    *_LAZY,
+]
