@@ -1,0 +1,439 @@
+"""The production offloading manager: the spec's surface, at O(k log n) per call.
+
+``OffloadManager`` is checked step by step against ``kvoffload_spec.OffloadModel`` (see
+docs/conformance.md): the same plans, slot ids, events and errors. It owns the blocks, their
+slots, refs, counters, plans and events; the eviction policy owns only the order (see
+``kvoffload.policies.base``). docs/manager.md explains the data structures.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections import OrderedDict
+from collections.abc import Container, Sequence
+from dataclasses import asdict
+
+from kvoffload.policies.base import EvictionPolicy, PolicyContractError
+from kvoffload.policies.loading import resolve_policy
+from kvoffload.stats import ManagerStats, Tally
+from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError
+from kvoffload_spec.model import SpecViolation
+from kvoffload_spec.surface import (
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    Key,
+    LoadPlan,
+    Lookup,
+    PlanT,
+    RemovalReason,
+    StorePlan,
+    new_owner_id,
+)
+from kvoffload_spec.validation import (
+    check_count,
+    check_flag,
+    check_key,
+    check_keys,
+    check_open_plan,
+)
+
+
+def _zeros(length: int) -> array[int]:
+    return array("q", bytes(8 * length))
+
+
+class OffloadManager:
+    """Bookkeeping of a CPU block pool: which keys it holds, in which slot, what to evict.
+
+    The surface, plans, slot ids, events and errors are exactly those of
+    ``kvoffload_spec.OffloadModel``; every call costs O(k log n) for k keys (``reset_cache``
+    and ``check_invariants`` excepted), however many blocks are pinned, pending or protected.
+
+    >>> manager = OffloadManager(2, "arc")
+    >>> plan = manager.prepare_store([b"h0", b"h1"])
+    >>> plan.block_ids
+    (0, 1)
+    >>> manager.complete_store(plan)
+    >>> manager.lookup(b"h0")
+    <Lookup.HIT: 'hit'>
+    """
+
+    __slots__ = (
+        "_events",
+        "_freed",
+        "_fresh",
+        "_generation",
+        "_max_tracker_size",
+        "_next_plan_id",
+        "_num_blocks",
+        "_num_evictable",
+        "_offers",
+        "_open_plans",
+        "_owner",
+        "_policy",
+        "_refs",
+        "_slot_of",
+        "_store_threshold",
+        "_storing",
+        "_tally",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: str | type[EvictionPolicy] = "lru",
+        *,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        enable_events: bool = False,
+    ) -> None:
+        """``policy`` is "lru", "arc", an ``EvictionPolicy`` subclass or "module:Class".
+
+        A key becomes a store candidate once offered ``store_threshold`` times (the offers
+        of at most ``max_tracker_size`` keys are remembered). Bad arguments raise
+        ``InvalidArgumentError`` (``UnknownPolicyError`` for the policy).
+        """
+        check_count("num_blocks", num_blocks)
+        policy_class = resolve_policy(policy)
+        self._store_threshold = check_count("store_threshold", store_threshold)
+        self._max_tracker_size = check_count("max_tracker_size", max_tracker_size)
+        events_on = check_flag("enable_events", enable_events)
+        self._num_blocks = num_blocks
+        self._policy = policy_class(num_blocks)
+        self._slot_of: dict[Key, int] = {}  # every resident key
+        self._storing: dict[Key, int] = {}  # pending key -> id of the plan storing it
+        self._refs = _zeros(num_blocks)  # by slot: loads reading that block
+        # The free slots are the heap ``_freed`` plus every slot from ``_fresh`` up: all of
+        # ``_freed`` lies below ``_fresh``, so the lowest free slot is on top of the heap.
+        self._freed: list[int] = []
+        self._fresh = 0
+        self._num_evictable = 0
+        self._offers: OrderedDict[Key, int] = OrderedDict()  # least recently offered first
+        self._events: list[Event] | None = [] if events_on else None
+        self._open_plans: dict[int, StorePlan | LoadPlan] = {}
+        self._next_plan_id = 0
+        self._generation = 0
+        self._owner = new_owner_id()
+        self._tally = Tally()
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadManager({self._num_blocks}, {type(self._policy).__name__}, "
+            f"resident={len(self._slot_of)}, pending={len(self._storing)}, "
+            f"evictable={self._num_evictable}, free={self.num_free_blocks})"
+        )
+
+    # -- read-only views -------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_blocks - self._fresh + len(self._freed)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self._num_evictable
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy instance (read it; changing it corrupts the manager)."""
+        return self._policy
+
+    def lookup(self, key: Key) -> Lookup:
+        """MISS, PENDING or HIT. Changes no cache state (only the lookup counters)."""
+        found = self._lookup(check_key(key))
+        tally = self._tally
+        if found is Lookup.HIT:
+            tally.lookup_hits += 1
+        elif found is Lookup.MISS:
+            tally.lookup_misses += 1
+        else:
+            tally.lookup_pending += 1
+        return found
+
+    def stats(self) -> ManagerStats:
+        """Gauges and counters, as a frozen snapshot."""
+        resident, pending = len(self._slot_of), len(self._storing)
+        return ManagerStats(
+            num_blocks=self._num_blocks,
+            resident=resident,
+            pending=pending,
+            pinned=resident - pending - self._num_evictable,
+            evictable=self._num_evictable,
+            free=self.num_free_blocks,
+            **asdict(self._tally),
+        )
+
+    # -- operations ------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
+        """Plan to store the absent ``keys``, evicting to make room; None when they cannot
+        all be placed, and then no cache state changed.
+        """
+        distinct = dict.fromkeys(check_keys(keys))
+        candidates = self._candidates(distinct)
+        victims = self._make_room(len(candidates), distinct)
+        if victims is None:
+            self._tally.rejected_stores += 1
+            return None
+        self._evict(victims)
+        plan_id = self._next_plan_id
+        slots = self._place(candidates, plan_id)
+        return self._open(
+            StorePlan(
+                tuple(candidates), slots, tuple(victims), plan_id, self._generation, self._owner
+            )
+        )
+
+    def complete_store(self, plan: StorePlan, success: bool = True) -> None:
+        """The store job of ``plan`` finished: its blocks become readable, or (on failure)
+        absent again. A plan made before ``reset_cache`` changes nothing.
+        """
+        check_flag("success", success)
+        plan = self._close(plan, StorePlan)
+        if plan.generation != self._generation:
+            return  # the ABA guard: these keys may have been stored again since the reset
+        done = [key for key in plan.keys if self._storing.get(key) == plan.plan_id]
+        for key in done:
+            del self._storing[key]
+        if success:
+            self._mark_stored(done)
+        else:
+            self._drop_failed(done)
+
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
+        """Pin ``keys`` (once per occurrence) for reading. Raises ``BlockNotFoundError`` or
+        ``BlockPendingError`` if a key is not ready; then nothing changed.
+        """
+        for key in check_keys(keys):
+            self._require_ready(key)
+        slots = tuple(self._pin(key) for key in keys)
+        return self._open(
+            LoadPlan(tuple(keys), slots, self._next_plan_id, self._generation, self._owner)
+        )
+
+    def complete_load(self, plan: LoadPlan) -> None:
+        """The load job of ``plan`` finished: unpin what it pinned."""
+        plan = self._close(plan, LoadPlan)
+        self._tally.blocks_loaded += len(plan.keys)
+        if plan.generation != self._generation:
+            return
+        for key in plan.keys:
+            self._unpin(key)
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """Mark ``keys`` recently used; the first key ends up the most recent."""
+        self._policy.touch(check_keys(keys), self._is_ready)
+
+    def reset_cache(self) -> None:
+        """Drop every block (O(n)). Open plans stay open; completing them changes nothing."""
+        if self._events is not None:
+            ready = [key for key in self._slot_of if key not in self._storing]
+            ready.sort(key=self._slot_of.__getitem__)
+            self._emit(BlocksRemoved(tuple(ready), RemovalReason.RESET))
+        self._slot_of.clear()
+        self._storing.clear()
+        self._refs = _zeros(self._num_blocks)
+        self._freed.clear()
+        self._fresh = 0
+        self._num_evictable = 0
+        self._policy.clear()
+        self._generation += 1
+        self._tally.resets += 1
+
+    def take_events(self) -> list[Event]:
+        """The events since the last call, oldest first (always empty unless enabled)."""
+        if self._events is None:
+            return []
+        taken = list(self._events)
+        self._events.clear()
+        return taken
+
+    def check_invariants(self) -> None:
+        """Raise ``SpecViolation`` if any invariant of the design fails (O(n log n))."""
+        problems = self._invariant_violations()
+        if problems:
+            raise SpecViolation("; ".join(problems))
+
+    # -- prepare_store, step by step -------------------------------------------------------
+
+    def _candidates(self, distinct: dict[Key, None]) -> list[Key]:
+        absent = [key for key in distinct if key not in self._slot_of]
+        if self._store_threshold < 2:
+            return absent
+        self._record_offers(absent)
+        return [key for key in absent if self._offers.get(key, 0) >= self._store_threshold]
+
+    def _record_offers(self, keys: list[Key]) -> None:
+        # An observation, not cache state: recorded even when the store then fails.
+        offers = self._offers
+        for key in keys:
+            count = offers.pop(key, 0) + 1
+            if len(offers) >= self._max_tracker_size:
+                offers.popitem(last=False)
+            offers[key] = count
+
+    def _make_room(self, count: int, protected: Container[Key]) -> list[Key] | None:
+        """The victims that free room for ``count`` new blocks, or None if there are none."""
+        need = count - self.num_free_blocks
+        if need <= 0:
+            return []
+        if need > self._num_evictable:
+            # The guard of vLLM PR #45757: even evicting everything evictable is not enough.
+            self._tally.fast_fail_rejections += 1
+            return None
+        victims = self._policy.choose_victims(need, protected)
+        if victims is not None:
+            self._check_victims(victims, need, protected)
+        return victims
+
+    def _check_victims(self, victims: list[Key], need: int, protected: Container[Key]) -> None:
+        # A plugged-in policy is code we do not control: refuse a bad choice before any
+        # state changes rather than corrupt the pool.
+        legal = all(self._is_evictable(key) and key not in protected for key in victims)
+        if not legal or len(victims) != need or len(set(victims)) != need:
+            raise PolicyContractError(
+                f"{type(self._policy).__name__}.choose_victims({need}) chose {victims!r}: "
+                f"it must choose {need} distinct evictable keys outside {protected!r}"
+            )
+
+    def _evict(self, victims: list[Key]) -> None:
+        for key in victims:
+            heapq.heappush(self._freed, self._slot_of.pop(key))
+        self._num_evictable -= len(victims)
+        self._policy.evict(victims)
+        self._tally.evictions += len(victims)
+        self._emit(BlocksRemoved(tuple(victims), RemovalReason.EVICTED))
+
+    def _place(self, candidates: list[Key], plan_id: int) -> tuple[int, ...]:
+        """Make ``candidates`` pending in the lowest free slots, in call order."""
+        slots = tuple(self._take_slot() for _ in candidates)
+        for key, slot in zip(candidates, slots, strict=True):
+            self._slot_of[key] = slot
+            self._storing[key] = plan_id
+            self._policy.insert(key)
+        return slots
+
+    def _take_slot(self) -> int:
+        if self._freed:
+            return heapq.heappop(self._freed)
+        self._fresh += 1
+        return self._fresh - 1
+
+    # -- completions and pins --------------------------------------------------------------
+
+    def _mark_stored(self, keys: list[Key]) -> None:
+        for key in keys:
+            self._policy.mark_evictable(key)
+        self._num_evictable += len(keys)
+        self._tally.blocks_stored += len(keys)
+        self._emit(BlocksStored(tuple(keys)))
+
+    def _drop_failed(self, keys: list[Key]) -> None:
+        for key in keys:
+            heapq.heappush(self._freed, self._slot_of.pop(key))
+            self._policy.remove(key)
+        self._tally.failed_stores += len(keys)
+        self._emit(BlocksRemoved(tuple(keys), RemovalReason.STORE_FAILED))
+
+    def _pin(self, key: Key) -> int:
+        slot = self._slot_of[key]
+        if not self._refs[slot]:
+            self._policy.mark_unevictable(key)
+            self._num_evictable -= 1
+        self._refs[slot] += 1
+        return slot
+
+    def _unpin(self, key: Key) -> None:
+        slot = self._slot_of[key]
+        self._refs[slot] -= 1
+        if not self._refs[slot]:
+            self._policy.mark_evictable(key)
+            self._num_evictable += 1
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _lookup(self, key: Key) -> Lookup:
+        if key not in self._slot_of:
+            return Lookup.MISS
+        return Lookup.PENDING if key in self._storing else Lookup.HIT
+
+    def _is_ready(self, key: Key) -> bool:
+        return key in self._slot_of and key not in self._storing
+
+    def _is_evictable(self, key: Key) -> bool:
+        slot = self._slot_of.get(key)
+        return slot is not None and key not in self._storing and not self._refs[slot]
+
+    def _require_ready(self, key: Key) -> None:
+        found = self._lookup(key)
+        if found is Lookup.MISS:
+            raise BlockNotFoundError(f"cannot load {key!r}: it is not in the CPU pool")
+        if found is Lookup.PENDING:
+            raise BlockPendingError(f"cannot load {key!r}: its store has not completed yet")
+
+    def _emit(self, event: Event) -> None:
+        if self._events is not None and event.keys:
+            self._events.append(event)
+
+    def _open(self, plan: PlanT) -> PlanT:
+        self._next_plan_id += 1
+        self._open_plans[plan.plan_id] = plan
+        return plan
+
+    def _close(self, plan: object, kind: type[PlanT]) -> PlanT:
+        checked = check_open_plan(
+            plan,
+            kind,
+            owner=self._owner,
+            open_plans=self._open_plans,
+            issued=self._next_plan_id,
+        )
+        del self._open_plans[checked.plan_id]
+        return checked
+
+    def _invariant_violations(self) -> list[str]:
+        """Every invariant of DESIGN.md section 2 this manager breaks, in words."""
+        problems: list[str] = []
+        slots = list(self._slot_of.values())
+        every_slot = slots + self._freed
+        if len(set(every_slot)) != len(every_slot) or len(every_slot) != self._fresh:
+            problems.append(f"resident slots {slots} and freed {self._freed} overlap or leak")
+        if any(not 0 <= slot < self._fresh <= self._num_blocks for slot in every_slot):
+            problems.append(f"a slot lies outside [0, {self._fresh}) or beyond the pool")
+        if self._freed and self._freed[0] != min(self._freed):
+            problems.append("the free-slot heap is out of order")
+        counted = sum(1 for key in self._slot_of if self._is_evictable(key))
+        if counted != self._num_evictable:
+            problems.append(f"evictable counter {self._num_evictable}, but {counted} are")
+        busy = {self._slot_of.get(key) for key in self._storing} | set(self._freed)
+        if any(self._refs[slot] < 0 for slot in range(self._num_blocks)) or any(
+            self._refs[slot] for slot in busy if slot is not None
+        ):
+            problems.append("refs are negative, or held by pending or free blocks")
+        problems += self._plan_violations()
+        policy = self._policy
+        order = policy.resident()
+        if len(order) != len(self._slot_of) or set(order) != self._slot_of.keys():
+            problems.append(f"policy order {order} does not hold exactly the resident keys")
+        else:
+            problems += policy.check_invariants(self._is_evictable)
+        if len(self._offers) > self._max_tracker_size:
+            problems.append(f"offer tracker holds {len(self._offers)} keys")
+        return problems
+
+    def _plan_violations(self) -> list[str]:
+        problems: list[str] = []
+        for key, plan_id in self._storing.items():
+            plan = self._open_plans.get(plan_id)
+            if key not in self._slot_of or plan is None or plan.generation != self._generation:
+                problems.append(f"{key!r} is pending on plan {plan_id}, which is not open now")
+        for plan_id, plan in self._open_plans.items():
+            if plan_id >= self._next_plan_id or plan.generation > self._generation:
+                problems.append(f"open plan {plan_id} was never issued")
+        return problems

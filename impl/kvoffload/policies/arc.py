@@ -1,0 +1,175 @@
+"""Adaptive Replacement Cache eviction, with no cost for pinned or pending blocks."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Container, Sequence
+from typing import Any
+
+from kvoffload.policies.base import EvictionPolicy
+from kvoffload.policies.recency import stamp_ordered, unprotected
+from kvoffload_spec.surface import Key
+
+_END: Any = object()  # no candidate left in a list
+
+
+class ArcPolicy(EvictionPolicy):
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST'03), as the spec adapts it.
+
+    T1 holds keys seen once, T2 keys touched again while ready; B1 and B2 are ghosts of keys
+    evicted from T1 and T2, and a touch that hits a ghost moves the target size ``p`` of T1.
+    Victims come from T1 when ``|T1| >= p``, else from T2, falling back to the other list
+    when the preferred one has no candidate.
+
+    Each resident key has a code ``2 * stamp + (1 if in T2)``; the evictable keys of each
+    list are kept sorted by code, and the list sizes are counters, so choosing k victims
+    costs O(k log n) however many blocks are pinned. Ghosts are insertion-ordered dicts.
+    """
+
+    __slots__ = ("_b1", "_b2", "_clock", "_codes", "_t1", "_t1_size", "_t2", "_t2_size", "p")
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._codes: dict[Key, int] = {}
+        self._t1 = stamp_ordered(self._codes)  # the evictable keys of T1
+        self._t2 = stamp_ordered(self._codes)  # the evictable keys of T2
+        self._t1_size = 0
+        self._t2_size = 0
+        self._b1: OrderedDict[Key, None] = OrderedDict()
+        self._b2: OrderedDict[Key, None] = OrderedDict()
+        self.p: float = 0.0
+        self._clock = 0
+
+    def insert(self, key: Key) -> None:
+        self._codes[key] = self._code(in_t2=False)
+        self._t1_size += 1
+        self._b1.pop(key, None)
+        self._b2.pop(key, None)
+
+    def remove(self, key: Key) -> None:
+        if self._codes.pop(key) & 1:
+            self._t2_size -= 1
+        else:
+            self._t1_size -= 1
+
+    def mark_evictable(self, key: Key) -> None:
+        self._run_of(key).add(key)
+
+    def mark_unevictable(self, key: Key) -> None:
+        self._run_of(key).remove(key)
+
+    def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
+        for key in reversed(keys):
+            code = self._codes.get(key)
+            if code is not None:
+                # A pending block was only just inserted: that is not a second access.
+                self._restamp(key, in_t2=bool(code & 1) or is_ready(key))
+            elif key in self._b1:
+                self.p = min(self.p + max(1.0, len(self._b2) / len(self._b1)), self.capacity)
+                self._b1.move_to_end(key)
+            elif key in self._b2:
+                self.p = max(self.p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
+                self._b2.move_to_end(key)
+
+    def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
+        t1_keys = unprotected(self._t1, protected)
+        t2_keys = unprotected(self._t2, protected)
+        t1_head, t2_head = next(t1_keys, _END), next(t2_keys, _END)
+        t1_size = self._t1_size  # as it will be once the victims chosen so far are gone
+        victims: list[Key] = []
+        while len(victims) < need:
+            from_t1 = self._from_t1(t1_size, t1_head is not _END, t2_head is not _END)
+            head = t1_head if from_t1 else t2_head
+            if head is _END:
+                return None
+            victims.append(head)
+            if from_t1:
+                t1_head = next(t1_keys, _END)
+                t1_size -= 1
+            else:
+                t2_head = next(t2_keys, _END)
+        return victims
+
+    def evict(self, victims: Sequence[Key]) -> None:
+        for key in victims:
+            self._run_of(key).remove(key)
+            if self._codes.pop(key) & 1:
+                self._t2_size -= 1
+                self._b2[key] = None
+            else:
+                self._t1_size -= 1
+                self._b1[key] = None
+            self._trim(self._b1)
+            self._trim(self._b2)
+
+    def clear(self) -> None:
+        for run in (self._t1, self._t2):
+            run.clear()
+        self._codes.clear()
+        self._b1.clear()
+        self._b2.clear()
+        self._t1_size = self._t2_size = 0
+        self.p = 0.0
+
+    def resident(self) -> list[Key]:
+        t1, t2, _, _ = self.lists()
+        return t1 + t2
+
+    def lists(self) -> tuple[list[Key], list[Key], list[Key], list[Key]]:
+        """T1, T2, B1 and B2, each least recent first (O(n log n): for checks and tests)."""
+        by_code = sorted(self._codes, key=self._codes.__getitem__)
+        return (
+            [key for key in by_code if not self._codes[key] & 1],
+            [key for key in by_code if self._codes[key] & 1],
+            list(self._b1),
+            list(self._b2),
+        )
+
+    def check_invariants(self, is_evictable: Callable[[Key], bool]) -> list[str]:
+        problems: list[str] = []
+        t1, t2, b1, b2 = self.lists()
+        if (len(t1), len(t2)) != (self._t1_size, self._t2_size):
+            problems.append(f"ARC sizes {self._t1_size}, {self._t2_size} but T1={t1}, T2={t2}")
+        for resident, run, name in ((t1, self._t1, "T1"), (t2, self._t2, "T2")):
+            listed = list(run)
+            evictable = [key for key in resident if is_evictable(key)]
+            if listed != evictable:
+                problems.append(f"ARC's evictable {name} is {listed}, the manager's {evictable}")
+        if len(set(self._codes.values())) != len(self._codes):
+            problems.append("ARC stamps repeat")
+        everything = t1 + t2 + b1 + b2
+        if len(set(everything)) != len(everything):
+            problems.append(f"ARC lists overlap: T1={t1} T2={t2} B1={b1} B2={b2}")
+        if max(len(b1), len(b2)) > self.capacity or not 0 <= self.p <= self.capacity:
+            problems.append(f"ARC ghosts {len(b1)}, {len(b2)} or p={self.p} exceed {self.capacity}")
+        return problems
+
+    def _from_t1(self, t1_size: int, t1_has: bool, t2_has: bool) -> bool:
+        """Whether the next victim comes from T1: the preferred list, unless it has no
+        candidate left (vLLM fell back only from T1 to T2 until PR #55461).
+        """
+        prefer_t1 = t1_size >= int(self.p)
+        return t1_has if prefer_t1 else not t2_has
+
+    def _restamp(self, key: Key, *, in_t2: bool) -> None:
+        run = self._run_of(key)
+        evictable = key in run
+        if evictable:
+            run.remove(key)
+        if in_t2 and not self._codes[key] & 1:
+            self._t1_size -= 1
+            self._t2_size += 1
+        self._codes[key] = self._code(in_t2=in_t2)
+        if evictable:
+            self._run_of(key).add(key)
+
+    def _run_of(self, key: Key) -> Any:
+        return self._t2 if self._codes[key] & 1 else self._t1
+
+    def _trim(self, ghosts: OrderedDict[Key, None]) -> None:
+        while len(ghosts) > self.capacity:
+            ghosts.popitem(last=False)
+
+    def _code(self, *, in_t2: bool) -> int:
+        self._clock += 1
+        return 2 * self._clock + in_t2

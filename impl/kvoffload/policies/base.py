@@ -1,0 +1,94 @@
+"""The eviction-policy interface: an order over resident blocks, and the choice of victims.
+
+The manager owns the blocks, their slots, refs, counters, plans and events; a policy owns only
+an *order*. The manager tells the policy every change that matters to it: a key became
+resident (pending, so not evictable), became evictable (its store completed, or its last
+load finished), stopped being evictable (a load pinned it), left without being evicted (its
+store failed), or everything was dropped (a reset). Because the policy hears about
+evictability as it changes, it can keep its evictable keys apart and find victims without
+walking past pinned, pending or protected blocks.
+
+``choose_victims`` must not change anything: the manager validates the choice and commits it
+with ``evict`` only once the whole ``prepare_store`` is known to succeed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Container, Sequence
+
+from kvoffload_spec.surface import Key
+
+
+class PolicyContractError(RuntimeError):
+    """A policy broke its contract (for example it chose a pinned or protected victim).
+
+    This is a bug in the policy, not a misuse by the caller, so it is not an ``OffloadError``.
+    The manager raises it before committing anything, so the cache is left unchanged.
+    """
+
+
+class EvictionPolicy(ABC):
+    """Base class of eviction policies; subclass it to plug in your own.
+
+    A policy class is constructed as ``Policy(capacity)`` with the manager's ``num_blocks``.
+    The lifecycle of a key as a policy sees it::
+
+        insert -> (mark_evictable | mark_unevictable)* -> evict | remove | clear
+
+    ``insert`` makes the key resident and most recent, not evictable; ``mark_evictable`` and
+    ``mark_unevictable`` alternate, starting with ``mark_evictable``; ``evict`` only ever
+    receives keys that are evictable, ``remove`` only keys that are not. ``touch`` may name
+    keys that are not resident: ignore them (or, like ARC, use them as ghost hits).
+    """
+
+    __slots__ = ("capacity",)
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    @abstractmethod
+    def insert(self, key: Key) -> None:
+        """``key`` became resident (its store is in flight), as the most recent key."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """``key`` left without being evicted (its store failed); it was not evictable."""
+
+    @abstractmethod
+    def mark_evictable(self, key: Key) -> None:
+        """``key`` is ready with no loads reading it: it may now be chosen as a victim."""
+
+    @abstractmethod
+    def mark_unevictable(self, key: Key) -> None:
+        """A load pinned ``key``: it must not be chosen until marked evictable again."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
+        """``keys`` were used; the first key ends up the most recent (process in reverse)."""
+
+    @abstractmethod
+    def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
+        """``need`` distinct evictable keys not in ``protected``, in eviction order, or None
+        when there are fewer. Must change nothing.
+        """
+
+    @abstractmethod
+    def evict(self, victims: Sequence[Key]) -> None:
+        """Commit a choice of ``choose_victims``: these keys leave, in this order."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget everything (``reset_cache``)."""
+
+    @abstractmethod
+    def resident(self) -> list[Key]:
+        """Every resident key, in the policy's order (for invariant checks and tests)."""
+
+    def check_invariants(self, is_evictable: Callable[[Key], bool]) -> list[str]:
+        """What is wrong inside the policy, in words; ``is_evictable`` is the manager's view.
+
+        The manager calls this from its own ``check_invariants``; override it to check the
+        policy's internal structures.
+        """
+        return []
