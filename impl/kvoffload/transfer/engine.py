@@ -1,0 +1,254 @@
+"""The transfer engine: submit stores and loads of blocks, poll for finished jobs.
+
+One interface whatever the device: ``submit_store`` / ``submit_load`` validate their ids
+(raising a typed error before anything is queued), plan the job's coalesced runs and hand
+it to the backend; ``poll`` reports every job exactly once, failed ones with ``ok=False``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import numpy as np
+
+from kvoffload.transfer.copiers import Copier, MemmoveCopier, TensorCopier
+from kvoffload.transfer.cpu import CpuBackend
+from kvoffload.transfer.jobs import Direction, FaultHook, Job, JobResult
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.pool import CpuBlockPool
+from kvoffload.transfer.runs import BlockMapping, IdArray
+from kvoffload_spec.errors import InvalidArgumentError, OffloadError
+from kvoffload_spec.validation import check_count, check_flag
+
+if TYPE_CHECKING:
+    import torch
+
+    BlockIds = Sequence[int] | IdArray | torch.Tensor
+
+CopierName = Literal["memmove", "tensor"]
+
+
+class EngineClosedError(OffloadError):
+    """The engine was closed; it accepts no more jobs."""
+
+
+class Backend(Protocol):
+    hook: FaultHook | None
+
+    def submit(self, job: Job) -> None: ...
+    def poll(self) -> list[JobResult]: ...
+    def wait(self, job_ids: Sequence[int]) -> None: ...
+    def wait_all(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class TransferEngine:
+    """Copies blocks between a device KV cache (``layout``) and a CPU ``pool``.
+
+    A CPU block holds ``block_size_factor`` device blocks, so ``pool.block_bytes`` must be
+    ``block_size_factor * layout.bytes_per_block``. On CUDA, jobs run on one stream per
+    direction; on the CPU they complete inside ``submit_*`` or, with ``threaded=True``, on
+    one worker thread per direction. ``fault_hook`` (tests only) is consulted before every
+    run copy; what it raises fails that job.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        pool: CpuBlockPool,
+        *,
+        block_size_factor: int = 1,
+        threaded: bool = False,
+        copier: CopierName | None = None,
+    ) -> None:
+        factor = check_count("block_size_factor", block_size_factor)
+        check_flag("threaded", threaded)
+        if pool.block_bytes != factor * layout.bytes_per_block:
+            raise InvalidArgumentError(
+                f"a CPU block of {pool.block_bytes} bytes cannot hold {factor} device blocks "
+                f"of {layout.bytes_per_block} bytes"
+            )
+        self.layout = layout
+        self.pool = pool
+        self.block_size_factor = factor
+        self._mapping = BlockMapping(layout, factor)
+        self._backend = _backend_for(layout, pool, threaded, copier)
+        self._issued = 0
+        self._closed = False
+        self._finalizer = weakref.finalize(self, self._backend.close)
+
+    @classmethod
+    def for_cache(
+        cls,
+        kv_caches: Sequence[torch.Tensor],
+        *,
+        num_cpu_blocks: int | None = None,
+        cpu_bytes: int | None = None,
+        block_dim: int | Sequence[int] = 0,
+        block_size_factor: int = 1,
+        prefault: bool = False,
+        threaded: bool = False,
+    ) -> TransferEngine:
+        """An engine with its own CPU pool (pinned when the cache is on CUDA), sized by
+        ``num_cpu_blocks`` or by the byte budget ``cpu_bytes``.
+        """
+        layout = KVLayout(kv_caches, block_dim)
+        factor = check_count("block_size_factor", block_size_factor)
+        pool = CpuBlockPool(
+            factor * layout.bytes_per_block,
+            num_cpu_blocks,
+            budget_bytes=cpu_bytes,
+            pin=layout.device.type == "cuda",
+            prefault=prefault,
+        )
+        return cls(layout, pool, block_size_factor=factor, threaded=threaded)
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    def submit_store(self, device_block_ids: BlockIds, cpu_block_ids: BlockIds) -> int:
+        """Copy device blocks into CPU blocks; returns the job id. CPU ids must be distinct;
+        ``device_block_ids[j]`` lands in sub-block ``j % factor`` of ``cpu_block_ids[j //
+        factor]``. The device blocks must not change until the job has finished.
+        """
+        device, cpu = self._pairs(device_block_ids, cpu_block_ids)
+        _require_distinct("cpu_block_ids", cpu)
+        return self._submit(Direction.STORE, device, cpu)
+
+    def submit_load(self, cpu_block_ids: BlockIds, device_block_ids: BlockIds) -> int:
+        """Copy CPU blocks into device blocks; returns the job id. Device ids must be
+        distinct; a CPU id may repeat (one block loaded into two places).
+        """
+        device, cpu = self._pairs(device_block_ids, cpu_block_ids)
+        _require_distinct("device_block_ids", device)
+        return self._submit(Direction.LOAD, device, cpu)
+
+    def poll(self) -> list[JobResult]:
+        """The jobs that finished since the last poll, each reported once."""
+        return self._backend.poll()
+
+    def wait(self, job_ids: Iterable[int] | None = None) -> None:
+        """Block until these jobs (default: all submitted) have finished; ``poll`` still
+        reports them.
+        """
+        if job_ids is None:
+            self._backend.wait_all()
+            return
+        self._backend.wait(self._issued_ids(job_ids))
+
+    def stream_wait(self, job_id: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Make work queued later on ``stream`` (default: the current one) start after the
+        job finished, without blocking the host. On the CPU this waits for the job.
+        """
+        (job,) = self._issued_ids([job_id])
+        from kvoffload.transfer.cuda import CudaBackend
+
+        if isinstance(self._backend, CudaBackend):
+            import torch
+
+            self._backend.stream_wait(job, stream or torch.cuda.current_stream())
+        else:
+            self._backend.wait([job])
+
+    @property
+    def fault_hook(self) -> FaultHook | None:
+        return self._backend.hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: FaultHook | None) -> None:
+        self._backend.hook = hook
+
+    def close(self) -> None:
+        """Wait for every job, stop the workers and release the pool (idempotent)."""
+        self._closed = True
+        self._finalizer()
+        self.pool.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _pairs(
+        self, device_block_ids: BlockIds, cpu_block_ids: BlockIds
+    ) -> tuple[IdArray, IdArray]:
+        if self._closed:
+            raise EngineClosedError("this transfer engine is closed")
+        device = _block_ids("device_block_ids", device_block_ids, self.layout.num_blocks)
+        cpu = _block_ids("cpu_block_ids", cpu_block_ids, self.pool.num_blocks)
+        if len(device) != self.block_size_factor * len(cpu):
+            raise InvalidArgumentError(
+                f"{len(cpu)} CPU blocks hold {self.block_size_factor * len(cpu)} device "
+                f"blocks (block_size_factor={self.block_size_factor}), got {len(device)}"
+            )
+        return device, cpu
+
+    def _submit(self, direction: Direction, device: IdArray, cpu: IdArray) -> int:
+        runs = self._mapping.runs(device, cpu, to_cpu=direction is Direction.STORE)
+        job_id = self._issued
+        self._issued += 1
+        self._backend.submit(Job(job_id, direction, runs))
+        return job_id
+
+    def _issued_ids(self, job_ids: Iterable[int]) -> list[int]:
+        ids = list(job_ids)
+        for job_id in ids:
+            if isinstance(job_id, bool) or not isinstance(job_id, int):
+                raise InvalidArgumentError(f"job ids are ints, got {job_id!r}")
+            if not 0 <= job_id < self._issued:
+                raise InvalidArgumentError(f"job {job_id} was never submitted to this engine")
+        return ids
+
+
+def _backend_for(
+    layout: KVLayout, pool: CpuBlockPool, threaded: bool, copier: CopierName | None
+) -> Backend:
+    kind = layout.device.type
+    if copier not in (None, "memmove", "tensor"):
+        raise InvalidArgumentError(f"copier must be 'memmove' or 'tensor', got {copier!r}")
+    if kind == "cuda":
+        if copier == "memmove":
+            raise InvalidArgumentError("the memmove copier needs the KV cache in host memory")
+        from kvoffload.transfer.cuda import CudaBackend
+
+        return CudaBackend(TensorCopier(layout, pool), layout.device)
+    if kind != "cpu":
+        raise InvalidArgumentError(f"KV caches on {kind!r} are not supported (cpu or cuda)")
+    chosen: Copier = (
+        TensorCopier(layout, pool) if copier == "tensor" else MemmoveCopier(layout, pool)
+    )
+    return CpuBackend(chosen, threaded=threaded)
+
+
+def _block_ids(name: str, ids: object, limit: int) -> IdArray:
+    """``ids`` as int64 block ids in ``[0, limit)``, or a typed error."""
+    import torch
+
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    elif isinstance(ids, (list, tuple)) and any(isinstance(i, bool) for i in ids):
+        raise InvalidArgumentError(f"{name} must be integers, got a bool")
+    elif not isinstance(ids, (list, tuple, range, np.ndarray)):
+        raise InvalidArgumentError(f"{name} must be a list, array or tensor of ints")
+    try:
+        array = np.asarray(ids)
+    except (TypeError, ValueError) as error:
+        raise InvalidArgumentError(f"{name} must be a flat list of ints: {error}") from None
+    if array.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"{name} must be a flat list of ints, got {array.dtype}")
+    if array.min() < 0 or array.max() >= limit:
+        raise InvalidArgumentError(
+            f"{name} must lie in [0, {limit}), got ids from {array.min()} to {array.max()}"
+        )
+    return array.astype(np.int64, copy=False)
+
+
+def _require_distinct(name: str, ids: IdArray) -> None:
+    if len(np.unique(ids)) != len(ids):
+        raise InvalidArgumentError(f"{name} are written to and must not repeat")

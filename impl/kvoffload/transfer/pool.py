@@ -1,0 +1,118 @@
+"""The CPU block pool: one allocation, sized exactly, optionally pinned and pre-faulted.
+
+``pin_memory=True`` would round the allocation up to a power of two (vLLM #48436): a 40 GiB
+pool would cost 64 GiB of locked memory. So the pool is plain memory, page-aligned, that is
+then registered with CUDA (``cudaHostRegister``) when pinning is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvoffload_spec.errors import InvalidArgumentError
+from kvoffload_spec.validation import check_count, check_flag
+
+if TYPE_CHECKING:
+    import torch
+
+PAGE = 4096
+
+
+class PoolTooLargeError(InvalidArgumentError):
+    """The CPU pool asked for is larger than this machine's memory."""
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory, or the cgroup's limit where that is lower (a container)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit:
+            text = limit.read().strip()
+    except OSError:
+        return physical
+    return min(physical, int(text)) if text.isdigit() else physical
+
+
+def pool_size(block_bytes: int, num_blocks: int | None, budget_bytes: int | None) -> int:
+    """The number of CPU blocks: ``num_blocks``, or as many as ``budget_bytes`` holds."""
+    check_count("block_bytes", block_bytes)
+    if (num_blocks is None) == (budget_bytes is None):
+        raise InvalidArgumentError("give exactly one of num_cpu_blocks and cpu_bytes")
+    if num_blocks is not None:
+        return check_count("num_cpu_blocks", num_blocks)
+    budget = check_count("cpu_bytes", budget_bytes)
+    if budget < block_bytes:
+        raise InvalidArgumentError(
+            f"cpu_bytes={budget} cannot hold one CPU block of {block_bytes} bytes"
+        )
+    return budget // block_bytes
+
+
+class CpuBlockPool:
+    """``num_blocks`` CPU blocks of ``block_bytes`` each, in one page-aligned allocation.
+
+    ``tensor`` is ``uint8[num_blocks, block_bytes]`` and ``flat`` the same bytes in one
+    dimension. ``pin`` registers the memory with CUDA (page-locked, DMA-able); ``prefault``
+    writes every page at start-up so that the first copies do not pay the page faults.
+    """
+
+    def __init__(
+        self,
+        block_bytes: int,
+        num_blocks: int | None = None,
+        *,
+        budget_bytes: int | None = None,
+        pin: bool = False,
+        prefault: bool = False,
+    ) -> None:
+        count = pool_size(block_bytes, num_blocks, budget_bytes)
+        check_flag("pin", pin)
+        check_flag("prefault", prefault)
+        nbytes = count * block_bytes
+        available = machine_memory_bytes()
+        if nbytes > available:
+            raise PoolTooLargeError(
+                f"a CPU pool of {count} blocks x {block_bytes} bytes = {nbytes / 2**30:.1f} "
+                f"GiB exceeds this machine's memory ({available / 2**30:.1f} GiB)"
+            )
+        if pin:
+            from kvoffload.transfer.cuda import require_cuda
+
+            require_cuda("a pinned CPU pool")
+        self.num_blocks = count
+        self.block_bytes = block_bytes
+        self.flat = _allocate_aligned(nbytes)
+        self.tensor = self.flat.view(count, block_bytes)
+        if prefault:
+            self.flat.zero_()
+        self.pinned = pin
+        self._unpin: Callable[[], None] | None = None
+        if pin:
+            from kvoffload.transfer.cuda import HostRegistration
+
+            self._unpin = weakref.finalize(self, HostRegistration(self.flat))
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def close(self) -> None:
+        """Unregister pinned memory now rather than at garbage collection (idempotent)."""
+        if self._unpin is not None:
+            self._unpin()
+
+    def __repr__(self) -> str:
+        kind = "pinned" if self.pinned else "pageable"
+        return f"CpuBlockPool({self.num_blocks} x {self.block_bytes} bytes, {kind})"
+
+
+def _allocate_aligned(nbytes: int) -> torch.Tensor:
+    """Exactly ``nbytes`` starting on a page boundary (what ``cudaHostRegister`` locks)."""
+    import torch
+
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + nbytes]
