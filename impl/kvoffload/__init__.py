@@ -35,9 +35,22 @@ from kvoffload_spec.surface import (
 
 if TYPE_CHECKING:
     pass  # each lazily exported name is imported here for type checkers
+    from kvoffload.offloader import Finished as Finished
+    from kvoffload.offloader import Offloader as Offloader
+    from kvoffload.transfer import CpuBlockPool as CpuBlockPool
+    from kvoffload.transfer import JobResult as JobResult
+    from kvoffload.transfer import KVLayout as KVLayout
+    from kvoffload.transfer import TransferEngine as TransferEngine
 
 # public name -> module that defines it; imported on first attribute access
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "CpuBlockPool": "kvoffload.transfer",
+    "Finished": "kvoffload.offloader",
+    "JobResult": "kvoffload.transfer",
+    "KVLayout": "kvoffload.transfer",
+    "Offloader": "kvoffload.offloader",
+    "TransferEngine": "kvoffload.transfer",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -113,7 +113,7 @@ class TransferEngine:
         factor]``. The device blocks must not change until the job has finished.
         """
         device, cpu = self._pairs(device_block_ids, cpu_block_ids)
-        _require_distinct("cpu_block_ids", cpu)
+        require_distinct("cpu_block_ids", cpu)
         return self._submit(Direction.STORE, device, cpu)
 
     def submit_load(self, cpu_block_ids: BlockIds, device_block_ids: BlockIds) -> int:
@@ -121,7 +121,7 @@ class TransferEngine:
         distinct; a CPU id may repeat (one block loaded into two places).
         """
         device, cpu = self._pairs(device_block_ids, cpu_block_ids)
-        _require_distinct("device_block_ids", device)
+        require_distinct("device_block_ids", device)
         return self._submit(Direction.LOAD, device, cpu)
 
     def poll(self) -> list[JobResult]:
@@ -178,8 +178,8 @@ class TransferEngine:
     ) -> tuple[IdArray, IdArray]:
         if self._closed:
             raise EngineClosedError("this transfer engine is closed")
-        device = _block_ids("device_block_ids", device_block_ids, self.layout.num_blocks)
-        cpu = _block_ids("cpu_block_ids", cpu_block_ids, self.pool.num_blocks)
+        device = as_block_ids("device_block_ids", device_block_ids, self.layout.num_blocks)
+        cpu = as_block_ids("cpu_block_ids", cpu_block_ids, self.pool.num_blocks)
         if len(device) != self.block_size_factor * len(cpu):
             raise InvalidArgumentError(
                 f"{len(cpu)} CPU blocks hold {self.block_size_factor * len(cpu)} device "
@@ -224,7 +224,7 @@ def _backend_for(
     return CpuBackend(chosen, threaded=threaded)
 
 
-def _block_ids(name: str, ids: object, limit: int) -> IdArray:
+def as_block_ids(name: str, ids: object, limit: int) -> IdArray:
     """``ids`` as int64 block ids in ``[0, limit)``, or a typed error."""
     import torch
 
@@ -249,6 +249,6 @@ def _block_ids(name: str, ids: object, limit: int) -> IdArray:
     return array.astype(np.int64, copy=False)
 
 
-def _require_distinct(name: str, ids: IdArray) -> None:
+def require_distinct(name: str, ids: IdArray) -> None:
     if len(np.unique(ids)) != len(ids):
         raise InvalidArgumentError(f"{name} are written to and must not repeat")
