@@ -1,0 +1,226 @@
+"""Hit ratio against CPU capacity: LRU, ARC and Belady's optimum on one trace.
+
+The engine's call order, per request, for a cache tier (the reference figures'):
+
+1. the hits are the longest prefix of ids the tier holds (``lookup`` says HIT);
+2. the absent ids are stored in request order (``prepare_store`` of the request's ids,
+   then ``complete_store`` with success);
+3. all of the request's ids are touched (``touch``: the first id ends most recent).
+
+With a device tier in front (``gpu_blocks > 0``), the device is an LRU prefix cache in the
+same call order, and the CPU tier sees, per request, only the ids after the device's hit
+prefix: the blocks the device did not have. That suffix stream is the CPU tier's key
+stream, for every policy and for Belady alike, so the three are compared on equal terms.
+Ratios are over all block references of the trace, so the tiers' ratios add up.
+
+>>> from kvoffload_spec import OffloadModel
+>>> from kvoffload.traces import Trace
+>>> trace = Trace("tiny", ((1, 2, 3), (1, 2, 4), (1, 2, 3)))
+>>> model = lambda policy, capacity: OffloadModel(capacity, policy)
+>>> for point in sweep(trace, [3], new_tier=model).points:
+...     print(point.policy, point.capacity, round(point.hit_ratio, 3))
+lru 3 0.444
+arc 3 0.444
+belady 3 0.556
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from typing import Protocol
+
+from kvoffload.belady import belady_hits
+from kvoffload.traces import Request, Trace
+from kvoffload_spec.errors import InvalidArgumentError
+from kvoffload_spec.surface import Key, Lookup, StorePlan
+from kvoffload_spec.validation import check_count, check_policy_name
+
+SWEEP_POLICIES = ("lru", "arc", "belady")
+DEFAULT_CAPACITIES = (1000, 4000, 16000, 64000)
+
+
+class CacheTier(Protocol):
+    """The part of the manager's surface a replay drives (``OffloadManager`` has it)."""
+
+    def lookup(self, key: Key) -> Lookup: ...
+
+    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None: ...
+
+    def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
+
+    def touch(self, keys: Sequence[Key]) -> None: ...
+
+
+TierFactory = Callable[[str, int], CacheTier]
+"""Builds a CPU tier from a policy name and a capacity in blocks."""
+
+
+def new_manager(policy: str, capacity: int) -> CacheTier:
+    """The production manager: fast enough for whole traces at any capacity."""
+    from kvoffload.manager import OffloadManager
+
+    manager: CacheTier = OffloadManager(capacity, policy)
+    return manager
+
+
+@dataclass
+class TierCounts:
+    """What one tier did over a replay."""
+
+    refs: int = 0  # block references the tier was asked about
+    hits: int = 0
+    stored: int = 0  # blocks that became resident
+    evicted: int = 0
+    rejected_stores: int = 0  # prepare_store calls that could not place their blocks
+
+
+def longest_resident_prefix(request: Sequence[Key], tier: CacheTier) -> int:
+    for hits, key in enumerate(request):
+        if tier.lookup(key) is not Lookup.HIT:
+            return hits
+    return len(request)
+
+
+def replay(requests: Sequence[Request], tier: CacheTier) -> TierCounts:
+    """Drive ``tier`` through ``requests`` in the engine's call order (module docstring)."""
+    counts = TierCounts()
+    for request in requests:
+        counts.refs += len(request)
+        counts.hits += longest_resident_prefix(request, tier)
+        plan = tier.prepare_store(request)
+        if plan is None:
+            counts.rejected_stores += 1
+        else:
+            tier.complete_store(plan, True)
+            counts.stored += len(plan.keys)
+            counts.evicted += len(plan.evicted_keys)
+        tier.touch(request)
+    return counts
+
+
+class DevicePrefixCache:
+    """The engine's device prefix cache: LRU over blocks, each in a device slot.
+
+    ``admit`` plays one request in the engine's call order and returns its hit prefix.
+    Every block of the request must be on the device at once, so a request longer than the
+    cache is an error, raised before anything changes.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = check_count("num_blocks", num_blocks)
+        self.slots: OrderedDict[Hashable, int] = OrderedDict()  # least recent first
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
+
+    def admit(self, request: Sequence[Hashable]) -> int:
+        distinct = list(dict.fromkeys(request))
+        if len(distinct) > self.num_blocks:
+            raise InvalidArgumentError(
+                f"a request of {len(distinct)} blocks does not fit in a device cache of "
+                f"{self.num_blocks} blocks"
+            )
+        hits = 0
+        for key in request:
+            if key not in self.slots:
+                break
+            hits += 1
+        absent = [key for key in distinct if key not in self.slots]
+        protected = set(distinct)
+        need = len(absent) - len(self._free)
+        if need > 0:
+            # Least recent first; stops early, so a full cache costs O(need + request).
+            victims = islice((key for key in self.slots if key not in protected), need)
+            for key in list(victims):
+                self._free.append(self.slots.pop(key))
+        for key in absent:
+            self.slots[key] = self._free.pop()
+        for key in reversed(request):
+            self.slots.move_to_end(key)
+        return hits
+
+
+def cpu_stream(requests: Sequence[Request], gpu_blocks: int) -> tuple[list[Request], int]:
+    """The CPU tier's key stream behind a device cache of ``gpu_blocks`` (0: none), and the
+    device's hits."""
+    if gpu_blocks == 0:
+        return list(requests), 0
+    device = DevicePrefixCache(gpu_blocks)
+    stream: list[Request] = []
+    device_hits = 0
+    for request in requests:
+        hits = device.admit(request)
+        device_hits += hits
+        stream.append(request[hits:])
+    return stream, device_hits
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """The CPU tier's hit ratio under one policy at one capacity."""
+
+    policy: str
+    capacity: int
+    hit_ratio: float
+
+
+def check_sweep_args(
+    trace: Trace, capacities: Sequence[int], policies: Sequence[str], gpu_blocks: int
+) -> None:
+    """Raise ``InvalidArgumentError`` for any impossible size or unknown policy."""
+    if not capacities:
+        raise InvalidArgumentError("give at least one CPU capacity")
+    for capacity in capacities:
+        check_count("capacity", capacity)
+    for policy in policies:
+        check_policy_name(policy, SWEEP_POLICIES)
+    check_count("gpu_blocks", gpu_blocks, minimum=0)
+    if 0 < gpu_blocks < trace.longest_request:
+        raise InvalidArgumentError(
+            f"--gpu-blocks {gpu_blocks} cannot hold the longest request of trace "
+            f"{trace.name!r} ({trace.longest_request} blocks); use 0 for a single tier"
+        )
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """A sweep's points, capacity-major, and the hit ratio of the device tier in front."""
+
+    points: tuple[SweepPoint, ...]
+    device_hit_ratio: float
+
+    def to_json(self) -> dict[str, list[dict[str, object]]]:
+        """The format of ``kvoffload sweep --json``."""
+        return {
+            "results": [
+                {"policy": p.policy, "capacity": p.capacity, "hit_ratio": p.hit_ratio}
+                for p in self.points
+            ]
+        }
+
+
+def sweep(
+    trace: Trace,
+    capacities: Sequence[int],
+    policies: Sequence[str] = SWEEP_POLICIES,
+    *,
+    gpu_blocks: int = 0,
+    new_tier: TierFactory = new_manager,
+    on_point: Callable[[SweepPoint], None] | None = None,
+) -> SweepResult:
+    """The CPU tier's hit ratio for each capacity and policy; ``on_point`` hears each one."""
+    check_sweep_args(trace, capacities, policies, gpu_blocks)
+    stream, device_hits = cpu_stream(trace.requests, gpu_blocks)
+    refs = trace.num_refs or 1  # an all-empty trace has no hits either way
+    points: list[SweepPoint] = []
+    for capacity in capacities:
+        for policy in policies:
+            if policy == "belady":
+                hits = belady_hits(stream, capacity)
+            else:
+                hits = replay(stream, new_tier(policy, capacity)).hits
+            points.append(SweepPoint(policy, capacity, hits / refs))
+            if on_point is not None:
+                on_point(points[-1])
+    return SweepResult(tuple(points), device_hits / refs)
