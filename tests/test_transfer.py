@@ -1,0 +1,482 @@
+"""The transfer engine: byte-exact round trips, coalescing, failures, validation, pools."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload.transfer import (
+    CpuBlockPool,
+    Direction,
+    EngineClosedError,
+    KVLayout,
+    PoolTooLargeError,
+    TransferEngine,
+)
+from kvoffload.transfer import pool as pool_module
+from kvoffload.transfer.engine import CopierName
+from kvoffload.transfer.runs import BlockMapping
+from kvoffload_spec.errors import InvalidArgumentError
+from tests.test_layout import CUDA, DEVICES, DTYPES, KINDS, make_cache, reference_block
+
+# (copier, threaded): the fast CPU path, the tensor path CUDA uses, and worker threads
+CPU_PATHS: list[tuple[CopierName | None, bool]] = [(None, False), ("tensor", False), (None, True)]
+needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+
+
+def build_engine(
+    kind: str,
+    *,
+    num_blocks: int = 8,
+    cpu_blocks: int = 6,
+    factor: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    copier: CopierName | None = None,
+    threaded: bool = False,
+) -> tuple[TransferEngine, list[torch.Tensor], int]:
+    tensors, block_dim = make_cache(kind, num_blocks=num_blocks, dtype=dtype, device=device)
+    layout = KVLayout(tensors, block_dim)
+    pool = CpuBlockPool(factor * layout.bytes_per_block, cpu_blocks, pin=device == "cuda")
+    engine = TransferEngine(
+        layout, pool, block_size_factor=factor, threaded=threaded, copier=copier
+    )
+    return engine, tensors, block_dim
+
+
+def blocks_of(tensors: list[torch.Tensor], block_dim: int) -> list[torch.Tensor]:
+    count = tensors[0].shape[block_dim]
+    return [reference_block(tensors, block_dim, block) for block in range(count)]
+
+
+def same(left: list[torch.Tensor], right: list[torch.Tensor]) -> bool:
+    return len(left) == len(right) and all(map(torch.equal, left, right))
+
+
+def finish(engine: TransferEngine, job: int) -> None:
+    engine.wait([job])
+    (result,) = engine.poll()
+    assert result.job_id == job and result.ok, result
+
+
+# -- round trips ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundTrip:
+    """Store ``sources`` into ``cpu_ids``, then load ``loaded`` (the same CPU blocks, in
+    another order) into ``targets``.
+    """
+
+    kind: str
+    dtype: torch.dtype
+    factor: int
+    num_blocks: int
+    cpu_blocks: int
+    cpu_ids: list[int]
+    sources: list[int]
+    loaded: list[int]
+    targets: list[int]
+
+
+@st.composite
+def round_trips(draw: st.DrawFn) -> RoundTrip:
+    factor = draw(st.integers(1, 3))
+    cpu_blocks = draw(st.integers(1, 5))
+    num_blocks = draw(st.integers(factor * cpu_blocks, factor * cpu_blocks + 4))
+    batch = draw(st.integers(0, cpu_blocks))
+    if draw(st.booleans()):  # contiguous ids: the runs coalesce
+        first_cpu = draw(st.integers(0, cpu_blocks - batch))
+        cpu_ids = list(range(first_cpu, first_cpu + batch))
+        first = draw(st.integers(0, num_blocks - factor * batch))
+        sources = list(range(first, first + factor * batch))
+    else:  # random ids; a store may read one device block twice
+        cpu_ids = draw(st.permutations(range(cpu_blocks)))[:batch]
+        size = factor * batch
+        sources = draw(st.lists(st.integers(0, num_blocks - 1), min_size=size, max_size=size))
+    return RoundTrip(
+        kind=draw(st.sampled_from(KINDS)),
+        dtype=draw(st.sampled_from(DTYPES)),
+        factor=factor,
+        num_blocks=num_blocks,
+        cpu_blocks=cpu_blocks,
+        cpu_ids=cpu_ids,
+        sources=sources,
+        loaded=draw(st.permutations(cpu_ids)),
+        targets=draw(st.permutations(range(num_blocks)))[: factor * batch],
+    )
+
+
+def check_round_trip(
+    case: RoundTrip, device: str, copier: CopierName | None, threaded: bool
+) -> None:
+    engine, tensors, block_dim = build_engine(
+        case.kind,
+        num_blocks=case.num_blocks,
+        cpu_blocks=case.cpu_blocks,
+        factor=case.factor,
+        dtype=case.dtype,
+        device=device,
+        copier=copier,
+        threaded=threaded,
+    )
+    before = blocks_of(tensors, block_dim)
+    pool_before = engine.pool.tensor.clone()
+
+    finish(engine, engine.submit_store(case.sources, case.cpu_ids))
+    assert same(blocks_of(tensors, block_dim), before), "a store changed its source"
+    untouched = [c for c in range(case.cpu_blocks) if c not in case.cpu_ids]
+    assert torch.equal(engine.pool.tensor[untouched], pool_before[untouched])
+    pool_stored = engine.pool.tensor.clone()
+
+    finish(engine, engine.submit_load(case.loaded, case.targets))
+    assert torch.equal(engine.pool.tensor, pool_stored), "a load changed the pool"
+    k = case.factor
+    origin = {
+        target: case.sources[case.cpu_ids.index(case.loaded[j // k]) * k + j % k]
+        for j, target in enumerate(case.targets)
+    }
+    after = blocks_of(tensors, block_dim)
+    for block, content in enumerate(after):
+        expected = before[origin.get(block, block)]
+        assert torch.equal(content, expected), f"device block {block}"
+    engine.close()
+
+
+@pytest.mark.parametrize(("copier", "threaded"), CPU_PATHS)
+@given(case=round_trips())
+def test_round_trip_is_byte_exact_on_cpu(
+    case: RoundTrip, copier: CopierName | None, threaded: bool
+) -> None:
+    check_round_trip(case, "cpu", copier, threaded)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@given(case=round_trips())
+def test_round_trip_is_byte_exact_on_cuda(case: RoundTrip) -> None:
+    check_round_trip(case, "cuda", None, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_large_batches_round_trip(device: str, batch: int) -> None:
+    engine, tensors, block_dim = build_engine(
+        "kv_split", num_blocks=2 * batch, cpu_blocks=batch, device=device
+    )
+    before = blocks_of(tensors, block_dim)
+    order = np.random.default_rng(batch).permutation(2 * batch)
+    sources, targets = order[:batch], order[batch:]
+    cpu_ids = np.random.default_rng(7).permutation(batch)
+    finish(engine, engine.submit_store(torch.from_numpy(sources), cpu_ids))
+    finish(engine, engine.submit_load(cpu_ids, targets))
+    after = blocks_of(tensors, block_dim)
+    for source, target in zip(sources, targets, strict=True):
+        assert torch.equal(after[target], before[source])
+    assert same([after[s] for s in sources], [before[s] for s in sources])
+
+
+# -- coalescing ----------------------------------------------------------------------------
+
+
+def mapping_for(kind: str, factor: int, layers: int = 3) -> BlockMapping:
+    tensors, block_dim = make_cache(kind, num_blocks=16, layers=layers)
+    return BlockMapping(KVLayout(tensors, block_dim), factor)
+
+
+def ids(*values: int) -> np.ndarray[tuple[int], np.dtype[np.int64]]:
+    return np.array(values, dtype=np.int64)
+
+
+@pytest.mark.parametrize("factor", [1, 2, 4])
+def test_contiguous_blocks_of_one_segment_copy_in_one_run(factor: int) -> None:
+    mapping = mapping_for("cross_layer", factor)
+    device = np.arange(3, 3 + 2 * factor, dtype=np.int64)
+    for to_cpu in (True, False):
+        runs = mapping.runs(device, ids(4, 5), to_cpu=to_cpu)
+        assert len(runs) == 1
+        assert runs.total_bytes == 2 * factor * mapping.cpu_block_bytes // factor
+
+
+def test_ids_given_out_of_order_still_coalesce() -> None:
+    mapping = mapping_for("cross_layer", 1)
+    runs = mapping.runs(ids(7, 5, 6), ids(2, 0, 1), to_cpu=True)
+    assert len(runs) == 1 and runs.device_offset[0] == 5 * mapping.cpu_block_bytes
+
+
+def test_runs_of_many_segments_stop_at_cpu_block_boundaries() -> None:
+    mapping = mapping_for("kv_split", factor=2, layers=3)  # 6 segments
+    runs = mapping.runs(np.arange(6, dtype=np.int64), ids(0, 1, 2), to_cpu=True)
+    assert len(runs) == 6 * 3  # each segment: one run of 2 sub-blocks per CPU block
+    assert set(runs.nbytes.tolist()) == {2 * mapping.cpu_block_bytes // (2 * 6)}
+
+
+def test_random_ids_do_not_merge() -> None:
+    mapping = mapping_for("per_layer", factor=1, layers=2)
+    runs = mapping.runs(ids(5, 1, 9), ids(0, 1, 2), to_cpu=True)
+    assert len(runs) == 2 * 3
+
+
+def test_an_empty_job_has_no_runs() -> None:
+    mapping = mapping_for("per_layer", factor=2)
+    runs = mapping.runs(ids(), ids(), to_cpu=False)
+    assert len(runs) == 0 and runs.total_bytes == 0
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+class FailAt:
+    """A fault hook that raises once, at run ``run`` of job ``job``."""
+
+    def __init__(self, job: int, run: int) -> None:
+        self.job, self.run = job, run
+        self.raised: list[Exception] = []
+
+    def __call__(self, job: int, run: int) -> None:
+        if (job, run) == (self.job, self.run):
+            error = RuntimeError(f"injected into job {job} at run {run}")
+            self.raised.append(error)
+            raise error
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_job_failing_half_way_is_reported_and_isolated(device: str, threaded: bool) -> None:
+    engine, tensors, block_dim = build_engine(
+        "per_layer", num_blocks=8, cpu_blocks=4, device=device, threaded=threaded
+    )
+    before = blocks_of(tensors, block_dim)
+    hook = FailAt(job=1, run=1)
+    engine.fault_hook = hook
+    first = engine.submit_store([0, 1], [0, 1])
+    failing = engine.submit_store([2, 3], [2, 3])
+    last = engine.submit_load([0, 1], [6, 7])
+    engine.wait()
+    results = {result.job_id: result for result in engine.poll()}
+    assert engine.poll() == []  # each job is reported exactly once
+    assert [results[j].ok for j in (first, failing, last)] == [True, False, True]
+    assert results[failing].error is hook.raised[0]
+    assert results[failing].nbytes == 0
+    assert results[first].nbytes == 2 * engine.layout.bytes_per_block
+    after = blocks_of(tensors, block_dim)
+    assert same(after[6:], before[:2]) and same(after[:6], before[:6])
+    engine.fault_hook = None
+    finish(engine, engine.submit_store([4, 5], [2, 3]))  # the failed job's CPU blocks reused
+    finish(engine, engine.submit_load([2, 3], [0, 1]))
+    assert same(blocks_of(tensors, block_dim)[:2], before[4:6])
+
+
+def test_a_failure_in_the_copy_itself_fails_only_its_job() -> None:
+    engine, _, _ = build_engine("cross_layer", cpu_blocks=2)
+    original = engine._backend._copier.copy  # type: ignore[attr-defined]
+
+    def broken(job: object, hook: object) -> None:
+        raise MemoryError("the copy itself failed")
+
+    engine._backend._copier.copy = broken  # type: ignore[attr-defined]
+    bad = engine.submit_store([0], [0])
+    engine._backend._copier.copy = original  # type: ignore[attr-defined]
+    good = engine.submit_store([1], [1])
+    results = {r.job_id: r for r in engine.poll()}
+    assert not results[bad].ok and isinstance(results[bad].error, MemoryError)
+    assert results[good].ok
+
+
+# -- threads -------------------------------------------------------------------------------
+
+
+def test_worker_threads_run_jobs_off_the_calling_thread() -> None:
+    engine, _, _ = build_engine("per_layer", threaded=True)
+    seen: list[str] = []
+    engine.fault_hook = lambda job, run: seen.append(threading.current_thread().name)
+    store = engine.submit_store([0], [0])
+    engine.wait([store])
+    load = engine.submit_load([0], [1])
+    engine.wait([load])
+    assert set(seen) == {"kvoffload-store", "kvoffload-load"}
+    results = engine.poll()
+    assert [(r.job_id, r.direction) for r in results] == [
+        (store, Direction.STORE),
+        (load, Direction.LOAD),
+    ]
+    engine.close()
+    engine.close()  # idempotent
+
+
+def test_jobs_of_one_direction_finish_in_submission_order() -> None:
+    engine, _, _ = build_engine("cross_layer", num_blocks=16, cpu_blocks=16, threaded=True)
+    jobs = [engine.submit_store([i], [i]) for i in range(16)]
+    engine.wait()
+    assert [r.job_id for r in engine.poll()] == jobs
+
+
+# -- validation ----------------------------------------------------------------------------
+
+BAD_STORES: list[tuple[object, object, str]] = [
+    ([8], [0], "lie in"),
+    ([-1], [0], "lie in"),
+    ([0], [6], "lie in"),
+    ([0, 1], [0], "block_size_factor"),
+    ([0.0], [0], "flat list of ints"),
+    ([True], [0], "bool"),
+    (["a"], [0], "flat list of ints"),
+    ([[0]], [0], "flat list of ints"),
+    ("0", [0], "list, array or tensor"),
+    ({0}, [0], "list, array or tensor"),
+    ([0, 1], [3, 3], "must not repeat"),
+]
+
+
+@pytest.mark.parametrize(("device_ids", "cpu_ids", "message"), BAD_STORES)
+def test_bad_store_ids_raise_before_any_job(
+    device_ids: object, cpu_ids: object, message: str
+) -> None:
+    engine, _, _ = build_engine("per_layer")
+    pool_before = engine.pool.tensor.clone()
+    with pytest.raises(InvalidArgumentError, match=message):
+        engine.submit_store(device_ids, cpu_ids)  # type: ignore[arg-type]
+    assert engine.poll() == [] and torch.equal(engine.pool.tensor, pool_before)
+    assert engine.submit_store([0], [0]) == 0  # no job id was spent on the bad call
+
+
+def test_loads_may_repeat_cpu_blocks_but_not_device_blocks() -> None:
+    engine, tensors, block_dim = build_engine("kv_split")
+    finish(engine, engine.submit_store([3], [2]))
+    with pytest.raises(InvalidArgumentError, match="device_block_ids are written"):
+        engine.submit_load([2, 2], [5, 5])
+    finish(engine, engine.submit_load([2, 2], [5, 6]))
+    blocks = blocks_of(tensors, block_dim)
+    assert torch.equal(blocks[5], blocks[3]) and torch.equal(blocks[6], blocks[3])
+
+
+def test_wait_rejects_jobs_it_never_issued() -> None:
+    engine, _, _ = build_engine("per_layer")
+    job = engine.submit_store([0], [0])
+    for bad in ([job + 1], [-1], [True], ["0"]):
+        with pytest.raises(InvalidArgumentError):
+            engine.wait(bad)  # type: ignore[arg-type]
+    engine.wait([job])
+    engine.stream_wait(job)  # on the CPU: waits; the job is done already
+    engine.poll()
+    engine.wait([job])  # a finished, polled job is nothing to wait for
+
+
+def test_a_closed_engine_refuses_jobs() -> None:
+    with build_engine("per_layer")[0] as engine:
+        engine.submit_store([0], [0])
+    with pytest.raises(EngineClosedError):
+        engine.submit_load([0], [1])
+
+
+def test_engine_arguments_are_checked() -> None:
+    tensors, block_dim = make_cache("per_layer", num_blocks=4)
+    layout = KVLayout(tensors, block_dim)
+    pool = CpuBlockPool(2 * layout.bytes_per_block, 2)
+    with pytest.raises(InvalidArgumentError, match="cannot hold 1 device blocks"):
+        TransferEngine(layout, pool)
+    with pytest.raises(InvalidArgumentError, match="copier"):
+        TransferEngine(layout, pool, block_size_factor=2, copier="dma")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="threaded"):
+        TransferEngine(layout, pool, block_size_factor=2, threaded=1)  # type: ignore[arg-type]
+    meta = KVLayout([torch.empty(4, 8, device="meta")])
+    with pytest.raises(InvalidArgumentError, match="not supported"):
+        TransferEngine(meta, CpuBlockPool(meta.bytes_per_block, 2))
+
+
+# -- the pool ------------------------------------------------------------------------------
+
+
+def test_the_pool_is_sized_exactly_and_page_aligned() -> None:
+    pool = CpuBlockPool(3000, 7)
+    assert pool.nbytes == pool.flat.numel() == 21_000
+    assert pool.tensor.shape == (7, 3000) and pool.tensor.is_contiguous()
+    assert pool.flat.data_ptr() % 4096 == 0
+    assert pool.tensor.data_ptr() == pool.flat.data_ptr()
+    assert "7 x 3000 bytes, pageable" in repr(pool)
+
+
+def test_a_byte_budget_holds_whole_blocks() -> None:
+    assert CpuBlockPool(1000, budget_bytes=10_999).num_blocks == 10
+    with pytest.raises(InvalidArgumentError, match="cannot hold one CPU block"):
+        CpuBlockPool(1000, budget_bytes=999)
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        CpuBlockPool(1000)
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        CpuBlockPool(1000, 4, budget_bytes=4000)
+    with pytest.raises(InvalidArgumentError, match="num_cpu_blocks"):
+        CpuBlockPool(1000, 0)
+
+
+def test_a_pool_larger_than_the_machine_fails_before_allocating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def must_not_allocate(nbytes: int) -> torch.Tensor:
+        raise AssertionError(f"allocated {nbytes} bytes")
+
+    monkeypatch.setattr(pool_module, "_allocate_aligned", must_not_allocate)
+    too_much = pool_module.machine_memory_bytes() + 1
+    with pytest.raises(PoolTooLargeError, match="exceeds this machine's memory"):
+        CpuBlockPool(1 << 20, budget_bytes=too_much + (1 << 20))
+
+
+def test_prefault_writes_every_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    def dirty(nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), 0xAB, dtype=torch.uint8)
+
+    monkeypatch.setattr(pool_module, "_allocate_aligned", dirty)
+    assert bool((CpuBlockPool(4096, 3).flat == 0xAB).all())
+    assert bool((CpuBlockPool(4096, 3, prefault=True).flat == 0).all())
+
+
+@pytest.mark.skipif(CUDA, reason="checks the error raised without CUDA")
+def test_pinning_without_cuda_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="needs CUDA"):
+        CpuBlockPool(4096, 2, pin=True)
+
+
+# -- CUDA ----------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_pool_is_pinned_without_rounding_up() -> None:
+    pool = CpuBlockPool(3 << 20, 5, pin=True)  # 15 MiB: pin_memory=True would take 16
+    assert pool.flat.is_pinned() and pool.nbytes == 15 << 20
+    pool.close()
+    assert not pool.flat.is_pinned()
+    pool.close()  # idempotent
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_a_store_waits_for_the_compute_stream() -> None:
+    cache = torch.zeros(4, 16 << 20, dtype=torch.uint8, device="cuda")
+    engine = TransferEngine.for_cache([cache], num_cpu_blocks=4)
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # keeps the compute stream busy well past the store's submission
+        busy = busy @ busy / 64
+    cache[2].fill_(7)  # queued behind the matmuls: the store must see it
+    finish(engine, engine.submit_store([2], [1]))
+    assert bool((engine.pool.tensor[1] == 7).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_a_consumer_stream_can_wait_for_a_load() -> None:
+    cache = torch.zeros(4, 64 << 20, dtype=torch.uint8, device="cuda")
+    engine = TransferEngine.for_cache([cache], num_cpu_blocks=2)
+    engine.pool.tensor[0].fill_(5)
+    job = engine.submit_load([0], [3])
+    engine.stream_wait(job)  # the current stream waits on the GPU, the host does not
+    total = cache[3].sum(dtype=torch.int64)
+    assert int(total) == 5 * (64 << 20)
+    engine.wait([job])
+    (result,) = engine.poll()
+    assert result.ok and result.seconds > 0 and result.nbytes == 64 << 20
