@@ -1,0 +1,456 @@
+"""The ``kvoffload`` command: ``simulate``, ``sweep`` and ``verify``.
+
+Startup stays quick: this module imports only the standard library, and each command
+imports what it needs (torch only for ``simulate``) when it runs. A mistake a user can make
+(a bad trace, an unknown policy, an impossible size) ends with one line on stderr and exit
+status 1; a malformed command line with argparse's usage message and status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvoffload_spec.errors import InvalidArgumentError, OffloadError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvoffload.simulate import SimulationReport
+    from kvoffload.sweep import SweepResult
+    from kvoffload.traces import Trace
+    from kvoffload.verify import VerifyReport
+
+EXIT_OK = 0
+EXIT_ERROR = 1  # a user error (bad trace, size, policy) or a verification that failed
+EXIT_INTERRUPTED = 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version or a usage error: argparse has spoken
+        return exit_.code if isinstance(exit_.code, int) else EXIT_ERROR
+    command: Callable[[argparse.Namespace], int] = args.command
+    try:
+        return command(args)
+    except OffloadError as error:
+        print(f"kvoffload {args.command_name}: error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"kvoffload {args.command_name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvoffload",
+        description="Offload LLM KV-cache blocks to a CPU block pool: replay traces, compare "
+        "eviction policies against Belady's optimum, verify a policy against the spec.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    simulate = commands.add_parser(
+        "simulate",
+        help="replay a trace through a device prefix cache and the CPU offloader",
+        description="Replay a request trace through a small model of a serving engine: an LRU "
+        "device prefix cache whose blocks are offloaded, as real tensors, into a CPU pool, "
+        "and loaded back (and verified byte-exact) on a CPU hit.",
+    )
+    _add_trace_argument(simulate)
+    simulate.add_argument(
+        "--gpu-blocks",
+        type=_count,
+        default=1024,
+        metavar="N",
+        help="device prefix cache size in blocks; must hold the longest request "
+        "(default: %(default)s)",
+    )
+    simulate.add_argument(
+        "--cpu-blocks",
+        type=_count,
+        default=4096,
+        metavar="N",
+        help="CPU pool size in blocks (default: %(default)s)",
+    )
+    simulate.add_argument(
+        "--policy",
+        default="lru",
+        metavar="lru|arc",
+        help="the CPU pool's eviction policy (default: %(default)s)",
+    )
+    simulate.add_argument(
+        "--block-bytes",
+        type=_byte_size,
+        default=4096,
+        metavar="BYTES",
+        help="bytes per KV block, e.g. 4096, 64KiB, 2MiB (default: %(default)s)",
+    )
+    simulate.add_argument(
+        "--requests",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="replay only the first N requests",
+    )
+    _add_json_argument(simulate)
+    simulate.set_defaults(command=_run_simulate, command_name="simulate")
+
+    sweep = commands.add_parser(
+        "sweep",
+        help="hit ratio against CPU capacity for LRU, ARC and Belady's optimum",
+        description="The CPU tier's block hit ratio at each capacity, for each policy and "
+        "for Belady's offline optimum on the same key stream.",
+    )
+    _add_trace_argument(sweep)
+    sweep.add_argument(
+        "--gpu-blocks",
+        type=_count_or_zero,
+        default=0,
+        metavar="N",
+        help="device prefix cache in front of the CPU tier; 0 means a single tier "
+        "(default: %(default)s)",
+    )
+    sweep.add_argument(
+        "--capacities",
+        type=_count_list,
+        default="1000,4000,16000,64000",
+        metavar="N,N,...",
+        help="CPU capacities in blocks, e.g. 1000,4k,16k (default: %(default)s)",
+    )
+    sweep.add_argument(
+        "--policies",
+        type=_name_list,
+        default="lru,arc,belady",
+        metavar="P,P,...",
+        help="any of lru, arc, belady (default: %(default)s)",
+    )
+    sweep.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw the curves into FILE.png (needs matplotlib: pip install 'kvoffload[plot]')",
+    )
+    _add_json_argument(sweep)
+    sweep.set_defaults(command=_run_sweep, command_name="sweep")
+
+    verify = commands.add_parser(
+        "verify",
+        help="check a policy against the spec: exhaustive exploration and conformance",
+        description="Explore every reachable state of small configurations exhaustively, "
+        "then run the randomized conformance machine against the spec, for a built-in "
+        "policy or your own (module:Class), within a time budget.",
+    )
+    verify.add_argument(
+        "--policy",
+        default="lru",
+        metavar="lru|arc|module:Class",
+        help="the policy to check (default: %(default)s)",
+    )
+    verify.add_argument(
+        "--budget",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="time budget for both checks together (default: %(default)s)",
+    )
+    _add_json_argument(verify)
+    verify.set_defaults(command=_run_verify, command_name="verify")
+    return parser
+
+
+def _add_trace_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        default=None,
+        help="JSON-lines trace with 'hash_ids' per request, or the name of a bundled trace "
+        "(conversation, synthetic); default: the bundled conversation trace",
+    )
+
+
+def _add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvoffload")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+# -- argument types: argparse turns their ValueError into a usage error ---------------------
+
+
+def _count(text: str) -> int:
+    value = _count_or_zero(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _count_or_zero(text: str) -> int:
+    """A block count; ``4k`` means 4000, as in the reference tables."""
+    cleaned = text.strip().lower().replace("_", "")
+    factor = 1
+    if cleaned.endswith("k"):
+        cleaned, factor = cleaned[:-1], 1000
+    elif cleaned.endswith("m"):
+        cleaned, factor = cleaned[:-1], 1_000_000
+    if not cleaned.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of blocks")
+    return int(cleaned) * factor
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def _byte_size(text: str) -> int:
+    cleaned = text.strip().lower().replace("_", "")
+    digits = cleaned.rstrip("abigkm")
+    unit = _BYTE_UNITS.get(cleaned[len(digits) :])
+    if not digits.isdigit() or unit is None or int(digits) == 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive size in bytes (e.g. 4096, 64KiB, 2MiB)"
+        )
+    return int(digits) * unit
+
+
+def _count_list(text: str) -> list[int]:
+    return [_count(part) for part in text.split(",") if part.strip()]
+
+
+def _name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return value
+
+
+# -- the commands ---------------------------------------------------------------------------
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from kvoffload.simulate import SimulationConfig, simulate
+    from kvoffload.traces import resolve_trace
+
+    trace = resolve_trace(args.trace)
+    config = SimulationConfig(
+        gpu_blocks=args.gpu_blocks,
+        cpu_blocks=args.cpu_blocks,
+        policy=args.policy,
+        block_bytes=args.block_bytes,
+        max_requests=args.requests,
+    )
+    console = _console(stderr=True)
+    with _progress(console, enabled=not args.json) as progress:
+        task = progress.add_task(f"replaying {trace.name}", total=None)
+        report = simulate(
+            trace,
+            config,
+            on_request=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        _show_simulation(trace, report)
+    return EXIT_OK if report.all_loads_verified else EXIT_ERROR
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    from kvoffload.sweep import sweep
+    from kvoffload.traces import resolve_trace
+
+    trace = resolve_trace(args.trace)
+    if args.plot is not None:
+        _check_plot_target(args.plot)
+    console = _console(stderr=True)
+    with _progress(console, enabled=not args.json) as progress:
+        total = len(args.capacities) * len(args.policies)
+        task = progress.add_task(f"sweeping {trace.name}", total=total)
+        result = sweep(
+            trace,
+            args.capacities,
+            args.policies,
+            gpu_blocks=args.gpu_blocks,
+            on_point=lambda _point: progress.advance(task),
+        )
+    if args.json:
+        _print_json(result.to_json())
+    else:
+        _show_sweep(trace, args.gpu_blocks, result)
+    if args.plot is not None:
+        _plot_sweep(trace, args.gpu_blocks, result, args.plot)
+    return EXIT_OK
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from kvoffload.verify import verify
+
+    console = _console(stderr=True)
+    with _progress(console, enabled=not args.json) as progress:
+        task = progress.add_task(f"verifying {args.policy}", total=None)
+        report = verify(
+            args.policy,
+            budget_s=args.budget,
+            on_stage=lambda stage: progress.update(task, description=stage),
+        )
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        _show_verification(report)
+    return EXIT_OK if report.passed else EXIT_ERROR
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def _print_json(payload: object) -> None:
+    json.dump(payload, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _console(stderr: bool = False) -> Console:
+    from rich.console import Console
+
+    return Console(stderr=stderr)
+
+
+def _progress(console: Console, enabled: bool) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        # a bar is for a person watching: not in a pipe, a log or with --json
+        disable=not (enabled and console.is_terminal),
+    )
+
+
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for index, column in enumerate(columns):
+        table.add_column(column, justify="left" if index == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    _console().print(table)
+
+
+def _show_simulation(trace: Trace, report: SimulationReport) -> None:
+    _table(
+        f"kvoffload simulate: {trace.name}, {report.requests:,} requests",
+        ["", "value"],
+        report.summary_rows(),
+    )
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.4f}"
+
+
+def _show_sweep(trace: Trace, gpu_blocks: int, result: SweepResult) -> None:
+    policies = list(dict.fromkeys(p.policy for p in result.points))
+    by_capacity: dict[int, dict[str, float]] = {}
+    for point in result.points:
+        by_capacity.setdefault(point.capacity, {})[point.policy] = point.hit_ratio
+    columns = ["CPU blocks", *policies]
+    compared = [p for p in policies if p != "belady"] if "belady" in policies else []
+    columns += [f"{p}/belady" for p in compared]
+    rows = []
+    for capacity, ratios in by_capacity.items():
+        row = [f"{capacity:,}", *(_ratio(ratios[p]) for p in policies)]
+        optimum = ratios.get("belady", 0.0)
+        row += [_ratio(ratios[p] / optimum) if optimum else "-" for p in compared]
+        rows.append(row)
+    tier = (
+        "single tier"
+        if gpu_blocks == 0
+        else f"CPU tier behind {gpu_blocks:,} device blocks "
+        f"(device hit ratio {_ratio(result.device_hit_ratio)})"
+    )
+    _table(
+        f"kvoffload sweep: {trace.name}, {trace.num_refs:,} block refs, {tier}; "
+        f"infinite cache {_ratio(trace.ideal_hit_ratio)}",
+        columns,
+        rows,
+    )
+
+
+def _show_verification(report: VerifyReport) -> None:
+    _table(f"kvoffload verify: {report.policy}", ["check", "result"], report.summary_rows())
+    if report.counterexample:
+        print(f"\ncounterexample:\n{report.counterexample}")
+
+
+def _check_plot_target(path: str) -> None:
+    """Fail before a long sweep, not after it, when the plot cannot be drawn."""
+    import importlib.util
+
+    if not path.lower().endswith(".png"):
+        raise InvalidArgumentError(f"--plot wants a .png file name, got {path!r}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise InvalidArgumentError(
+            "--plot needs matplotlib, which is not installed: pip install 'kvoffload[plot]'"
+        )
+
+
+def _plot_sweep(trace: Trace, gpu_blocks: int, result: SweepResult, path: str) -> None:
+    import importlib
+
+    matplotlib: Any = importlib.import_module("matplotlib")
+    matplotlib.use("Agg")  # files only: never open a window
+    pyplot: Any = importlib.import_module("matplotlib.pyplot")
+    figure, axes = pyplot.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(p.policy for p in result.points):
+        points = [p for p in result.points if p.policy == policy]
+        axes.plot(
+            [p.capacity for p in points],
+            [p.hit_ratio for p in points],
+            marker="o",
+            linestyle="--" if policy == "belady" else "-",
+            label=policy,
+        )
+    axes.axhline(trace.ideal_hit_ratio, color="grey", linewidth=0.8, label="infinite cache")
+    axes.set_xscale("log")
+    axes.set_xlabel("CPU capacity (blocks)")
+    axes.set_ylabel("block hit ratio")
+    tier = "single tier" if gpu_blocks == 0 else f"behind {gpu_blocks:,} device blocks"
+    axes.set_title(f"{trace.name} trace, {tier}")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=120)
+    except OSError as error:
+        raise InvalidArgumentError(f"cannot write {path}: {error.strerror}") from None
+    finally:
+        pyplot.close(figure)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

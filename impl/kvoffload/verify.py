@@ -1,0 +1,175 @@
+"""``kvoffload verify``: check a policy, built in or your own, against the spec.
+
+The policy runs inside the production ``OffloadManager``, which is checked call by call
+against the spec's ``OffloadModel`` by the conformance machine
+(:mod:`kvoffload.conformance`), in rounds of randomized histories until the time budget is
+spent or a counterexample turns up. A built-in policy must choose exactly the spec's
+victims; a policy of your own must choose legal ones (evictable, unprotected, and a store
+refused only when there is truly no room), and everything else must be the spec's.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvoffload_spec.policies import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from kvoffload.conformance import ManagerLike
+    from kvoffload.policies.base import EvictionPolicy
+
+CONFORMANCE_ROUND = 50  # histories per round: small, so the budget is kept closely
+CONFORMANCE_STEPS = 30  # calls per history
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check: what it covered, how long it took, whether it passed."""
+
+    name: str
+    covered: str
+    seconds: float
+    passed: bool
+
+
+@dataclass
+class VerifyReport:
+    """The checks run on ``policy``, and the first counterexample found, if any."""
+
+    policy: str
+    budget_s: float
+    checks: list[CheckResult] = field(default_factory=list)
+    counterexample: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.counterexample is None and all(check.passed for check in self.checks)
+
+    def to_json(self) -> dict[str, object]:
+        """The format of ``kvoffload verify --json``."""
+        return {
+            "policy": self.policy,
+            "budget_s": self.budget_s,
+            "passed": self.passed,
+            "checks": [
+                {
+                    "name": c.name,
+                    "covered": c.covered,
+                    "seconds": round(c.seconds, 3),
+                    "passed": c.passed,
+                }
+                for c in self.checks
+            ],
+            "counterexample": self.counterexample,
+        }
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        rows = [
+            (c.name, f"{'passed' if c.passed else 'FAILED'}: {c.covered} in {c.seconds:.1f} s")
+            for c in self.checks
+        ]
+        rows.append(("verdict", "conforms to the spec" if self.passed else "DOES NOT CONFORM"))
+        return rows
+
+
+StageHook = Callable[[str], None]
+"""``hook(description)``: a check is starting."""
+
+
+def verify(policy: str, budget_s: float = 60.0, on_stage: StageHook | None = None) -> VerifyReport:
+    """Check ``policy`` ("lru", "arc" or "module:Class") within ``budget_s`` seconds.
+
+    An unknown or unusable policy raises ``UnknownPolicyError`` before anything runs.
+    """
+    from kvoffload.policies.loading import resolve_policy
+
+    policy_class = resolve_policy(policy)
+    report = VerifyReport(policy, budget_s)
+    deadline = time.monotonic() + budget_s
+    if on_stage is not None:
+        on_stage(f"conformance: {policy} against the spec")
+    report.checks.append(_conformance(policy, policy_class, deadline, report))
+    return report
+
+
+def _conformance(
+    policy: str, policy_class: type[EvictionPolicy], deadline: float, report: VerifyReport
+) -> CheckResult:
+    import hypothesis
+    from hypothesis import Phase
+
+    from kvoffload.conformance import check_conformance
+    from kvoffload.manager import OffloadManager
+
+    def make_manager(
+        num_blocks: int, *, store_threshold: int, max_tracker_size: int, enable_events: bool
+    ) -> ManagerLike:
+        return OffloadManager(
+            num_blocks,
+            policy_class,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+            enable_events=enable_events,
+        )
+
+    settings = hypothesis.settings(
+        max_examples=CONFORMANCE_ROUND,
+        stateful_step_count=CONFORMANCE_STEPS,
+        deadline=None,
+        database=None,  # a command run in the user's directory leaves no .hypothesis/ behind
+        print_blob=False,
+        # no explain phase: it reruns the failure many times to point at lines, and the
+        # minimal history is what a policy author needs
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
+    exact = policy if policy in POLICY_NAMES else None
+    started = time.monotonic()
+    rounds = 0
+    with _hypothesis_files_elsewhere():
+        while rounds == 0 or time.monotonic() < deadline:
+            try:
+                check_conformance(make_manager, policy=exact, settings=settings)
+            except AssertionError as failure:
+                report.counterexample = _describe(failure)
+                return CheckResult(
+                    "conformance",
+                    f"a counterexample within {(rounds + 1) * CONFORMANCE_ROUND} histories",
+                    time.monotonic() - started,
+                    False,
+                )
+            rounds += 1
+    victims = "the spec's victims" if exact else "legal victims"
+    return CheckResult(
+        "conformance",
+        f"{rounds * CONFORMANCE_ROUND:,} random histories of up to {CONFORMANCE_STEPS} calls "
+        f"({victims}, every result, counter and event compared)",
+        time.monotonic() - started,
+        True,
+    )
+
+
+@contextmanager
+def _hypothesis_files_elsewhere() -> Iterator[None]:
+    """Keep Hypothesis' cache files out of the user's working directory (it would create
+    ``.hypothesis/`` there), then give it back its default place.
+    """
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    with tempfile.TemporaryDirectory(prefix="kvoffload-verify-") as scratch:
+        set_hypothesis_home_dir(scratch)
+        try:
+            yield
+        finally:
+            set_hypothesis_home_dir(None)
+
+
+def _describe(failure: AssertionError) -> str:
+    """The failure and the minimal history Hypothesis attached to it."""
+    notes = getattr(failure, "__notes__", [])
+    return "\n".join([f"{type(failure).__name__}: {failure}", *notes]).strip()
