@@ -148,11 +148,12 @@ def test_sweep_plot_needs_matplotlib_or_draws_the_curves(
 # -- simulate --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_simulate_json_adds_up_and_verifies_every_load(
-    small_trace: str, capsys: pytest.CaptureFixture[str]
+    policy: str, small_trace: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["simulate", "--trace", small_trace, "--gpu-blocks", "10", "--cpu-blocks", "20"]
-    code, out, err = run([*argv, "--block-bytes", "1KiB", "--json"], capsys)
+    code, out, err = run([*argv, "--policy", policy, "--block-bytes", "1KiB", "--json"], capsys)
     assert (code, err) == (0, "")
     report = json.loads(out)
     assert report["device_hits"] + report["cpu_hits"] + report["misses"] == report["block_refs"]
@@ -168,7 +169,7 @@ def test_simulate_json_adds_up_and_verifies_every_load(
     # the data path changes nothing in the bookkeeping: the sweep's replay gets the same hits
     stream, device_hits = cpu_stream(load_trace(small_trace).requests, 10)
     assert report["device_hits"] == device_hits
-    assert report["cpu_hits"] == replay(stream, new_manager("lru", 20)).hits
+    assert report["cpu_hits"] == replay(stream, new_manager(policy, 20)).hits
 
 
 def test_simulate_notices_a_load_that_brings_back_the_wrong_bytes(

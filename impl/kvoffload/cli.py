@@ -349,12 +349,15 @@ def _progress(console: Console, enabled: bool) -> Any:
     )
 
 
-def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+def _table(
+    title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: bool = True
+) -> None:
+    """Print a table; ``numeric`` right-aligns every column but the first."""
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
     for index, column in enumerate(columns):
-        table.add_column(column, justify="left" if index == 0 else "right")
+        table.add_column(column, justify="right" if numeric and index else "left")
     for row in rows:
         table.add_row(*row)
     _console().print(table)
@@ -365,6 +368,7 @@ def _show_simulation(trace: Trace, report: SimulationReport) -> None:
         f"kvoffload simulate: {trace.name}, {report.requests:,} requests",
         ["", "value"],
         report.summary_rows(),
+        numeric=False,
     )
 
 
@@ -401,7 +405,12 @@ def _show_sweep(trace: Trace, gpu_blocks: int, result: SweepResult) -> None:
 
 
 def _show_verification(report: VerifyReport) -> None:
-    _table(f"kvoffload verify: {report.policy}", ["check", "result"], report.summary_rows())
+    _table(
+        f"kvoffload verify: {report.policy}",
+        ["check", "result"],
+        report.summary_rows(),
+        numeric=False,
+    )
     if report.counterexample:
         print(f"\ncounterexample:\n{report.counterexample}")
 

@@ -10,9 +10,9 @@ The engine, per request (the call order of :mod:`kvoffload.sweep`, with the data
    stored;
 3. the rest are misses, "recomputed": their device blocks are written with content derived
    from the key, then offered to the CPU tier with ``store``;
-4. the CPU tier's ids are touched.
+4. the CPU tier's ids are touched, and then the store's copy is waited for.
 
-Every job is waited for before the next request, so the device cache may reuse any block.
+Every job finishes before the next request, so the device cache may reuse any block.
 Every manager call goes through a timing wrapper, so the report has real latencies; the
 CPU tier's hit ratio is also set against Belady's optimum on the same key stream.
 """
@@ -464,12 +464,11 @@ class _Engine:
         if cpu_hits:
             self._load(list(dict.fromkeys(cpu_ids[:cpu_hits])))
         self._recompute(list(dict.fromkeys(cpu_ids[cpu_hits:])))
-        if cpu_ids:
-            plan = self.offloader.store(cpu_ids, self._slots(cpu_ids))
-            if plan is not None:
-                self.offloader.wait([plan])
-                self._account(self.offloader.poll())
+        plan = self.offloader.store(cpu_ids, self._slots(cpu_ids)) if cpu_ids else None
         self.offloader.touch(cpu_ids)
+        if plan is not None:
+            self.offloader.wait([plan])
+            self._account(self.offloader.poll())
 
     def _slots(self, keys: Sequence[BlockId]) -> list[int]:
         return [self.device_cache.slots[key] for key in keys]

@@ -3,9 +3,15 @@
 The engine's call order, per request, for a cache tier (the reference figures'):
 
 1. the hits are the longest prefix of ids the tier holds (``lookup`` says HIT);
-2. the absent ids are stored in request order (``prepare_store`` of the request's ids,
-   then ``complete_store`` with success);
-3. all of the request's ids are touched (``touch``: the first id ends most recent).
+2. the absent ids are stored in request order (``prepare_store`` of the request's ids);
+3. all of the request's ids are touched (``touch``: the first id ends most recent);
+4. the stores complete (``complete_store`` with success).
+
+The copy of a store is asynchronous, so in an engine it finishes after the scheduler's
+touch. For LRU the moment changes nothing (completion does not move recency), so this is
+exactly the order of the reference figures. For ARC it matters: a block touched while its
+store is in flight was only just inserted, not used twice, and stays in T1; completing
+first would promote every new block to T2 at once and make ARC an LRU.
 
 With a device tier in front (``gpu_blocks > 0``), the device is an LRU prefix cache in the
 same call order, and the CPU tier sees, per request, only the ids after the device's hit
@@ -91,13 +97,13 @@ def replay(requests: Sequence[Request], tier: CacheTier) -> TierCounts:
         counts.refs += len(request)
         counts.hits += longest_resident_prefix(request, tier)
         plan = tier.prepare_store(request)
+        tier.touch(request)
         if plan is None:
             counts.rejected_stores += 1
         else:
             tier.complete_store(plan, True)
             counts.stored += len(plan.keys)
             counts.evicted += len(plan.evicted_keys)
-        tier.touch(request)
     return counts
 
 
