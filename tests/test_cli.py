@@ -16,6 +16,7 @@ from kvoffload.cli import main
 from kvoffload.policies.lru import LruPolicy
 from kvoffload.sweep import cpu_stream, new_manager, replay
 from kvoffload.traces import load_trace
+from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key
 
 
@@ -228,6 +229,14 @@ def test_verify_passes_a_conforming_policy(policy: str, capsys: pytest.CaptureFi
     code, out, _ = run(["verify", "--policy", policy, "--budget", "1"], capsys)
     assert code == 0
     assert "conforms to the spec" in out and "random histories" in out
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, True, "60"])
+def test_verify_refuses_a_budget_that_is_not_a_positive_number(budget: object) -> None:
+    from kvoffload.verify import verify
+
+    with pytest.raises(InvalidArgumentError, match="budget_s"):
+        verify("lru", budget_s=budget)  # type: ignore[arg-type]
 
 
 # -- user errors: one line on stderr, status 1 (2 for a malformed command line) --------------

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -81,24 +82,39 @@ StageHook = Callable[[str], None]
 """``hook(description)``: a check is starting."""
 
 
-def verify(policy: str, budget_s: float = 60.0, on_stage: StageHook | None = None) -> VerifyReport:
-    """Check ``policy`` ("lru", "arc" or "module:Class") within ``budget_s`` seconds.
+def verify(
+    policy: str | type[EvictionPolicy],
+    budget_s: float = 60.0,
+    on_stage: StageHook | None = None,
+) -> VerifyReport:
+    """Check ``policy`` ("lru", "arc", "module:Class" or an ``EvictionPolicy`` subclass)
+    within ``budget_s`` seconds.
 
     An unknown or unusable policy raises ``UnknownPolicyError`` before anything runs.
     """
     from kvoffload.policies.loading import resolve_policy
 
+    _check_seconds("budget_s", budget_s)
     policy_class = resolve_policy(policy)
-    report = VerifyReport(policy, budget_s)
+    name = policy if isinstance(policy, str) else policy.__qualname__
+    # only a built-in name promises the spec's own victims
+    exact = policy if isinstance(policy, str) and policy in POLICY_NAMES else None
+    report = VerifyReport(name, budget_s)
     deadline = time.monotonic() + budget_s
     if on_stage is not None:
-        on_stage(f"conformance: {policy} against the spec")
-    report.checks.append(_conformance(policy, policy_class, deadline, report))
+        on_stage(f"conformance: {name} against the spec")
+    report.checks.append(_conformance(exact, policy_class, deadline, report))
     return report
 
 
+def _check_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidArgumentError(f"{name} must be a number of seconds above 0, got {value!r}")
+    return float(value)
+
+
 def _conformance(
-    policy: str, policy_class: type[EvictionPolicy], deadline: float, report: VerifyReport
+    exact: str | None, policy_class: type[EvictionPolicy], deadline: float, report: VerifyReport
 ) -> CheckResult:
     import hypothesis
     from hypothesis import Phase
@@ -128,7 +144,6 @@ def _conformance(
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
         suppress_health_check=list(hypothesis.HealthCheck),
     )
-    exact = policy if policy in POLICY_NAMES else None
     started = time.monotonic()
     rounds = 0
     with _hypothesis_files_elsewhere():
