@@ -411,11 +411,6 @@ class OffloadManager:
         counted = sum(1 for key in self._slot_of if self._is_evictable(key))
         if counted != self._num_evictable:
             problems.append(f"evictable counter {self._num_evictable}, but {counted} are")
-        busy = {self._slot_of.get(key) for key in self._storing} | set(self._freed)
-        if any(self._refs[slot] < 0 for slot in range(self._num_blocks)) or any(
-            self._refs[slot] for slot in busy if slot is not None
-        ):
-            problems.append("refs are negative, or held by pending or free blocks")
         problems += self._plan_violations()
         policy = self._policy
         order = policy.resident()
@@ -428,12 +423,34 @@ class OffloadManager:
         return problems
 
     def _plan_violations(self) -> list[str]:
+        """The open plans agree with the blocks: a current store plan's keys that are still
+        resident are pending on it in its slots, and each slot's refs count its occurrences
+        in current load plans.
+        """
         problems: list[str] = []
-        for key, plan_id in self._storing.items():
-            plan = self._open_plans.get(plan_id)
-            if key not in self._slot_of or plan is None or plan.generation != self._generation:
-                problems.append(f"{key!r} is pending on plan {plan_id}, which is not open now")
+        expected_refs: dict[int, int] = {}
         for plan_id, plan in self._open_plans.items():
             if plan_id >= self._next_plan_id or plan.generation > self._generation:
                 problems.append(f"open plan {plan_id} was never issued")
+            if plan.generation != self._generation:
+                continue  # stale: a reset dropped everything it named
+            for key, slot in zip(plan.keys, plan.block_ids, strict=True):
+                if isinstance(plan, LoadPlan):
+                    expected_refs[slot] = expected_refs.get(slot, 0) + 1
+                    wanted = self._is_ready(key)
+                else:
+                    wanted = self._storing.get(key) == plan_id
+                if not wanted or self._slot_of.get(key) != slot:
+                    problems.append(f"{key!r} in slot {slot} does not match open plan {plan!r}")
+        for key, plan_id in self._storing.items():
+            storing = self._open_plans.get(plan_id)
+            if (
+                key not in self._slot_of
+                or storing is None
+                or storing.generation != self._generation
+            ):
+                problems.append(f"{key!r} is pending on plan {plan_id}, which is not open now")
+        refs = {slot: count for slot, count in enumerate(self._refs) if count}
+        if refs != expected_refs:
+            problems.append(f"refs by slot {refs}, but current load plans read {expected_refs}")
         return problems

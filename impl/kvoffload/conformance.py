@@ -1,0 +1,427 @@
+"""A conformance kit: check any offloading manager against the spec, call by call.
+
+``check_conformance(make_manager, policy="lru")`` runs a Hypothesis state machine that
+drives a manager built by ``make_manager`` and the reference ``OffloadModel`` side by side,
+with the same calls, tiny capacities and a handful of keys, so that eviction, failed stores,
+stale completions and bad arguments come up often. After every step it compares what both
+returned or raised, every lookup, the counters and the events, and runs
+``check_invariants()`` on both. See docs/conformance.md.
+
+With a built-in policy name the manager must match the spec exactly, victims included. With
+``policy=None`` (a policy the spec does not know), the spec follows the manager's victims
+and checks only what does not depend on them: each victim was evictable and unprotected,
+a store was refused only when there was truly no room, and everything else (slots, states,
+counters, events, errors) is exactly the spec's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Protocol, TypeVar
+
+import hypothesis
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvoffload.manager import OffloadManager
+from kvoffload.policies.arc import ArcPolicy
+from kvoffload.policies.lru import LruPolicy
+from kvoffload_spec.errors import OffloadError
+from kvoffload_spec.model import OffloadModel
+from kvoffload_spec.policies import POLICY_NAMES, ArcOrder, LruOrder
+from kvoffload_spec.surface import Event, Key, LoadPlan, Lookup, StorePlan
+from kvoffload_spec.validation import check_policy_name
+
+_T = TypeVar("_T")
+Plan = StorePlan | LoadPlan
+
+# Keys of several hashable types; none equal to another (so no 1 and True, 2 and 2.0).
+KEY_POOL: tuple[Key, ...] = (0, b"h1", "h2", (3, "t"), 4.5, frozenset({5}))
+# Arguments every keyed method must refuse with InvalidArgumentError, changing nothing.
+BAD_KEYS = st.sampled_from(("h2", b"h1", 7, None, [[0]], [0, {}]))
+KEYED_METHODS = ("prepare_store", "prepare_load", "touch", "lookup")
+PLAN_MISUSES = ("foreign", "other kind", "forged id", "altered", "flag", "junk")
+
+
+class ConformanceError(AssertionError):
+    """The manager did something the spec would not have done."""
+
+
+class ManagerLike(Protocol):
+    """The public surface of an offloading manager, as the kit uses it."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_evictable_blocks(self) -> int: ...
+    def lookup(self, key: Key) -> Lookup: ...
+    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None: ...
+    def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan: ...
+    def complete_load(self, plan: LoadPlan) -> None: ...
+    def touch(self, keys: Sequence[Key]) -> None: ...
+    def reset_cache(self) -> None: ...
+    def take_events(self) -> list[Event]: ...
+    def check_invariants(self) -> None: ...
+
+
+class ManagerFactory(Protocol):
+    """Builds a fresh manager; the kit passes everything but the policy."""
+
+    def __call__(
+        self, num_blocks: int, *, store_threshold: int, max_tracker_size: int, enable_events: bool
+    ) -> ManagerLike: ...
+
+
+@dataclasses.dataclass
+class DictatedOrder(LruOrder):
+    """A spec order whose victims are dictated by the manager under test, once checked.
+
+    ``answer`` is what the manager's ``prepare_store`` evicted (None if it returned None).
+    The spec asks for victims only when it needs some and its O(1) guard passed; the answer
+    must then be exactly ``need`` distinct keys the spec may evict, or None only when fewer
+    than ``need`` keys could be.
+    """
+
+    answer: tuple[Key, ...] | None = None
+
+    def choose_victims(self, need: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
+        if self.answer is None:
+            room = sum(1 for key in self.order if can_evict(key))
+            if room >= need:
+                raise ConformanceError(f"a store needing {need} was refused; {room} could go")
+            return None
+        victims = list(self.answer)
+        illegal = [key for key in victims if not can_evict(key)]
+        if illegal or len(victims) != need or len(set(victims)) != need:
+            raise ConformanceError(
+                f"evicted {victims} to make room for {need}: {illegal} are pinned, pending, "
+                "protected or absent, or the count is wrong"
+            )
+        return victims
+
+
+def _attempt(call: Callable[[], _T]) -> _T | OffloadError:
+    """What ``call`` returned, or the ``OffloadError`` it raised; any other error is a bug."""
+    try:
+        return call()
+    except OffloadError as error:
+        return error
+    except AssertionError:
+        raise
+    except Exception as error:
+        raise ConformanceError(f"crashed: {error!r}") from error
+
+
+def _same(what: str, got: object, expected: object) -> None:
+    if isinstance(got, OffloadError) or isinstance(expected, OffloadError):
+        agree = type(got) is type(expected)
+    else:
+        agree = got == expected
+    if not agree:
+        raise ConformanceError(f"{what}: the manager gave {got!r}, the spec {expected!r}")
+
+
+def _complete(target: ManagerLike | OffloadModel, plan: object) -> None:
+    """Complete ``plan`` with the method its kind calls for (a non-plan goes to stores)."""
+    if isinstance(plan, LoadPlan):
+        target.complete_load(plan)
+    else:
+        target.complete_store(plan)  # type: ignore[arg-type]  # refusing a non-plan is tested
+
+
+class ConformanceMachine(RuleBasedStateMachine):
+    """Drives a manager and the spec side by side (build one with ``conformance_machine``)."""
+
+    make_manager: ClassVar[ManagerFactory]
+    policy: ClassVar[str | None]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager: ManagerLike
+        self.model: OffloadModel
+        self.keys: tuple[Key, ...] = ()
+        self.stores: list[tuple[StorePlan, StorePlan]] = []  # open: (manager's, spec's)
+        self.loads: list[tuple[LoadPlan, LoadPlan]] = []
+        self.closed: list[tuple[Plan, Plan]] = []
+
+    @initialize(
+        num_blocks=st.integers(1, 4),
+        pool=st.integers(4, len(KEY_POOL)),
+        store_threshold=st.sampled_from((1, 1, 1, 2, 3)),
+        max_tracker_size=st.sampled_from((1, 2, 64_000, 64_000)),
+        enable_events=st.booleans(),
+        warm_up=st.integers(0, len(KEY_POOL)),
+    )
+    def start(
+        self,
+        num_blocks: int,
+        pool: int,
+        store_threshold: int,
+        max_tracker_size: int,
+        enable_events: bool,
+        warm_up: int,
+    ) -> None:
+        """A fresh manager and spec, then ``warm_up`` keys stored one by one (evicting once
+        the pool is full), so that most histories start where eviction happens.
+        """
+        self.keys = KEY_POOL[:pool]
+        self.manager = type(self).make_manager(
+            num_blocks,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+            enable_events=enable_events,
+        )
+        self.model = OffloadModel(
+            num_blocks,
+            self.policy or "lru",
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+            enable_events=enable_events,
+        )
+        if self.policy is None:
+            self.model.state.order = DictatedOrder()
+        for key in self.keys[:warm_up]:
+            for _ in range(store_threshold):  # offered often enough to become a candidate
+                self._store([key])
+            while self.stores:
+                self._complete_store(0, success=True)
+
+    # -- operations ------------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def store(self, data: st.DataObject) -> None:
+        self._store(self._draw_keys(data))
+
+    @precondition(lambda self: len(self._absent_keys()) > 0)
+    @rule(data=st.data(), complete_now=st.booleans())
+    def store_absent(self, data: st.DataObject, complete_now: bool) -> None:
+        """Store absent keys (the calls that need room, so evict), often completing at once
+        so that the pool fills with ready blocks.
+        """
+        absent = st.sampled_from(self._absent_keys())
+        self._store(data.draw(st.lists(absent, min_size=1, max_size=self.model.num_blocks)))
+        if complete_now and self.stores:
+            self._complete_store(len(self.stores) - 1, success=True)
+
+    @precondition(lambda self: bool(self.stores))
+    @rule(data=st.data(), success=st.sampled_from((True, True, True, False)))
+    def complete_store(self, data: st.DataObject, success: bool) -> None:
+        self._complete_store(data.draw(st.integers(0, len(self.stores) - 1)), success)
+
+    @precondition(lambda self: bool(self._ready_keys()))
+    @rule(data=st.data(), complete_now=st.booleans())
+    def load_ready(self, data: st.DataObject, complete_now: bool) -> None:
+        """Load ready keys (repeats pin twice), often finishing at once: open loads pin."""
+        ready = st.sampled_from(self._ready_keys())
+        self._load(data.draw(st.lists(ready, min_size=1, max_size=4)))
+        if complete_now and self.loads:
+            self._complete_load(len(self.loads) - 1)
+
+    @rule(data=st.data())
+    def load_any(self, data: st.DataObject) -> None:
+        self._load(self._draw_keys(data))
+
+    @precondition(lambda self: bool(self.loads))
+    @rule(data=st.data())
+    def complete_load(self, data: st.DataObject) -> None:
+        self._complete_load(data.draw(st.integers(0, len(self.loads) - 1)))
+
+    @rule(data=st.data(), absent_only=st.booleans())
+    def touch(self, data: st.DataObject, absent_only: bool) -> None:
+        """Touch any keys, or only absent ones: ARC's ghost hits, which move its target."""
+        keys = self._draw_keys(data, among=self._absent_keys() if absent_only else None)
+        got = _attempt(lambda: self.manager.touch(keys))
+        _same(f"touch({keys!r})", got, _attempt(lambda: self.model.touch(keys)))
+
+    @precondition(lambda self: self.model.num_free_blocks < self.model.num_blocks)
+    @rule()
+    def reset(self) -> None:
+        got = _attempt(self.manager.reset_cache)
+        _same("reset_cache()", got, _attempt(self.model.reset_cache))
+
+    @rule()
+    def clone(self) -> None:
+        """Carry on with deep copies: plans issued before must still complete on the clones."""
+        self.manager = copy.deepcopy(self.manager)
+        self.model = copy.deepcopy(self.model)
+
+    # -- misuse: both must raise the same error class and change nothing -------------------
+
+    @rule(data=st.data())
+    def misuse(self, data: st.DataObject) -> None:
+        """Bad keys, or a plan misused: completed again, another manager's, the wrong kind,
+        forged, altered, with a bad flag, or not a plan at all.
+        """
+        plans: list[tuple[Plan, Plan]] = [*self.stores, *self.loads, *self.closed]
+        kinds = ["bad keys", *(PLAN_MISUSES if plans else ()), *(["again"] if self.closed else [])]
+        kind = data.draw(st.sampled_from(kinds), label="misuse")
+        if kind == "bad keys":
+            self._bad_keys(data.draw(st.sampled_from(KEYED_METHODS)), data.draw(BAD_KEYS))
+            return
+        mine, spec = data.draw(st.sampled_from(self.closed if kind == "again" else plans))
+        got = _attempt(lambda: _misuse(self.manager, mine, spec, kind))
+        expected = _attempt(lambda: _misuse(self.model, spec, mine, kind))
+        _same(f"{kind}: {mine!r}", got, expected)
+
+    # -- after every step ------------------------------------------------------------------
+
+    @invariant()
+    def agree(self) -> None:
+        self.manager.check_invariants()
+        self.model.check_invariants()
+        for view in ("num_blocks", "num_free_blocks", "num_evictable_blocks"):
+            _same(view, getattr(self.manager, view), getattr(self.model, view))
+        for key in self.keys:
+            _same(f"lookup({key!r})", self.manager.lookup(key), self.model.lookup(key))
+        _same("take_events()", self.manager.take_events(), self.model.take_events())
+        if isinstance(self.manager, OffloadManager):
+            self._agree_on_stats(self.manager)
+            if self.policy is not None:
+                self._agree_on_order(self.manager)
+
+    def _agree_on_stats(self, manager: OffloadManager) -> None:
+        stats = manager.stats()
+        model = self.model
+        blocks = model.state.blocks.values()
+        pending = sum(1 for block in blocks if not block.ready)
+        pinned = sum(1 for block in blocks if block.ready and block.refs)
+        evictable, free = model.num_evictable_blocks, model.num_free_blocks
+        _same(
+            "stats() gauges",
+            (stats.resident, stats.pending, stats.pinned, stats.evictable, stats.free),
+            (len(blocks), pending, pinned, evictable, free),
+        )
+
+    def _agree_on_order(self, manager: OffloadManager) -> None:
+        """The built-in policies' internal order, compared directly: a wrong order shows up
+        here long before it picks a different victim.
+        """
+        policy, order = manager.policy, self.model.state.order
+        if isinstance(policy, LruPolicy) and isinstance(order, LruOrder):
+            _same("LRU order", policy.resident(), order.order)
+        elif isinstance(policy, ArcPolicy) and isinstance(order, ArcOrder):
+            _same(
+                "ARC lists and p",
+                (*policy.lists(), policy.p),
+                (order.t1, order.t2, order.b1, order.b2, order.p),
+            )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _draw_keys(self, data: st.DataObject, among: Sequence[Key] | None = None) -> list[Key]:
+        return data.draw(st.lists(st.sampled_from(among or self.keys), max_size=5))
+
+    def _store(self, keys: list[Key]) -> None:
+        got = _attempt(lambda: self.manager.prepare_store(keys))
+        order = self.model.state.order
+        if isinstance(order, DictatedOrder):
+            order.answer = got.evicted_keys if isinstance(got, StorePlan) else None
+        expected = _attempt(lambda: self.model.prepare_store(keys))
+        _same(f"prepare_store({keys!r})", got, expected)
+        if isinstance(got, StorePlan) and isinstance(expected, StorePlan):
+            self.stores.append((got, expected))
+
+    def _complete_store(self, index: int, success: bool) -> None:
+        mine, spec = self.stores.pop(index)
+        got = _attempt(lambda: self.manager.complete_store(mine, success))
+        expected = _attempt(lambda: self.model.complete_store(spec, success))
+        _same(f"complete_store({mine!r}, {success})", got, expected)
+        self.closed.append((mine, spec))
+
+    def _complete_load(self, index: int) -> None:
+        mine, spec = self.loads.pop(index)
+        got = _attempt(lambda: self.manager.complete_load(mine))
+        expected = _attempt(lambda: self.model.complete_load(spec))
+        _same(f"complete_load({mine!r})", got, expected)
+        self.closed.append((mine, spec))
+
+    def _absent_keys(self) -> list[Key]:
+        return [key for key in self.keys if self.model.lookup(key) is Lookup.MISS]
+
+    def _ready_keys(self) -> list[Key]:
+        return [key for key in self.keys if self.model.lookup(key) is Lookup.HIT]
+
+    def _load(self, keys: list[Key]) -> None:
+        got = _attempt(lambda: self.manager.prepare_load(keys))
+        expected = _attempt(lambda: self.model.prepare_load(keys))
+        _same(f"prepare_load({keys!r})", got, expected)
+        if isinstance(got, LoadPlan) and isinstance(expected, LoadPlan):
+            self.loads.append((got, expected))
+
+    def _bad_keys(self, method: str, argument: object) -> None:
+        if method == "lookup" and isinstance(argument, list):
+            argument = [argument]  # a list is unhashable, so never a valid key
+        got = _attempt(lambda: getattr(self.manager, method)(argument))
+        expected = _attempt(lambda: getattr(self.model, method)(argument))
+        _same(f"{method}({argument!r})", got, expected)
+
+
+def _misuse(target: ManagerLike | OffloadModel, own: Plan, other: Plan, kind: str) -> None:
+    if kind == "again":
+        _complete(target, own)
+    elif kind == "foreign":
+        _complete(target, other)  # the other side's plan: another owner
+    elif kind == "other kind":
+        if isinstance(own, StorePlan):
+            target.complete_load(own)  # type: ignore[arg-type]
+        else:
+            target.complete_store(own)  # type: ignore[arg-type]
+    elif kind == "forged id":
+        _complete(target, dataclasses.replace(own, plan_id=own.plan_id + 1000))
+    elif kind == "altered":
+        _complete(target, dataclasses.replace(own, generation=own.generation + 1))
+    elif kind == "flag" and isinstance(own, StorePlan):
+        target.complete_store(own, success="yes")  # type: ignore[arg-type]
+    else:
+        _complete(target, "not a plan")
+
+
+def conformance_machine(
+    make_manager: ManagerFactory, policy: str | None
+) -> type[ConformanceMachine]:
+    """A ``ConformanceMachine`` subclass for ``make_manager``; use its ``TestCase`` with
+    unittest/pytest, or run it with ``check_conformance``.
+    """
+    if policy is not None:
+        check_policy_name(policy, POLICY_NAMES)
+    return type(
+        "ConformanceMachine",
+        (ConformanceMachine,),
+        {"make_manager": staticmethod(make_manager), "policy": policy},
+    )
+
+
+def check_conformance(
+    make_manager: ManagerFactory,
+    *,
+    policy: str | None,
+    settings: hypothesis.settings | None = None,
+    max_examples: int | None = None,
+    stateful_step_count: int | None = None,
+) -> None:
+    """Check that managers from ``make_manager`` behave as the spec does; raise
+    ``AssertionError`` (usually ``ConformanceError``) with a minimal failing history if not.
+
+    ``policy`` is the built-in policy the manager uses ("lru" or "arc": compared exactly),
+    or None for a policy of your own (victims are only checked for legality). ``settings``
+    defaults to the current Hypothesis profile; ``max_examples`` and
+    ``stateful_step_count`` override it.
+    """
+    chosen = settings or hypothesis.settings()
+    if max_examples is not None:
+        chosen = hypothesis.settings(chosen, max_examples=max_examples)
+    if stateful_step_count is not None:
+        chosen = hypothesis.settings(chosen, stateful_step_count=stateful_step_count)
+    run_state_machine_as_test(conformance_machine(make_manager, policy), settings=chosen)
