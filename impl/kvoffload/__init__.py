@@ -35,8 +35,15 @@ from kvoffload_spec.surface import (
 
 if TYPE_CHECKING:
     pass  # each lazily exported name is imported here for type checkers
+    from kvoffload.conformance import check_conformance as check_conformance
+    from kvoffload.manager import OffloadManager as OffloadManager
     from kvoffload.offloader import Finished as Finished
     from kvoffload.offloader import Offloader as Offloader
+    from kvoffload.policies.arc import ArcPolicy as ArcPolicy
+    from kvoffload.policies.base import EvictionPolicy as EvictionPolicy
+    from kvoffload.policies.base import PolicyContractError as PolicyContractError
+    from kvoffload.policies.lru import LruPolicy as LruPolicy
+    from kvoffload.stats import ManagerStats as ManagerStats
     from kvoffload.transfer import CpuBlockPool as CpuBlockPool
     from kvoffload.transfer import JobResult as JobResult
     from kvoffload.transfer import KVLayout as KVLayout
@@ -44,12 +51,19 @@ if TYPE_CHECKING:
 
 # public name -> module that defines it; imported on first attribute access
 _LAZY: dict[str, str] = {
+    "ArcPolicy": "kvoffload.policies.arc",
     "CpuBlockPool": "kvoffload.transfer",
+    "EvictionPolicy": "kvoffload.policies.base",
     "Finished": "kvoffload.offloader",
     "JobResult": "kvoffload.transfer",
     "KVLayout": "kvoffload.transfer",
+    "LruPolicy": "kvoffload.policies.lru",
+    "ManagerStats": "kvoffload.stats",
+    "OffloadManager": "kvoffload.manager",
     "Offloader": "kvoffload.offloader",
+    "PolicyContractError": "kvoffload.policies.base",
     "TransferEngine": "kvoffload.transfer",
+    "check_conformance": "kvoffload.conformance",
 }
 
 

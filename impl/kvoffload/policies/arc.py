@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 from kvoffload.policies.base import EvictionPolicy
@@ -72,8 +72,8 @@ class ArcPolicy(EvictionPolicy):
                 self._b2.move_to_end(key)
 
     def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
-        t1_keys = unprotected(self._t1, protected)
-        t2_keys = unprotected(self._t2, protected)
+        t1_keys = self._candidates(self._t1, protected)
+        t2_keys = self._candidates(self._t2, protected)
         t1_head, t2_head = next(t1_keys, _END), next(t2_keys, _END)
         t1_size = self._t1_size  # as it will be once the victims chosen so far are gone
         victims: list[Key] = []
@@ -143,6 +143,12 @@ class ArcPolicy(EvictionPolicy):
         if max(len(b1), len(b2)) > self.capacity or not 0 <= self.p <= self.capacity:
             problems.append(f"ARC ghosts {len(b1)}, {len(b2)} or p={self.p} exceed {self.capacity}")
         return problems
+
+    def _candidates(self, run: Any, protected: Container[Key]) -> Iterator[Key]:
+        """Victim candidates of one list (``_t1`` or ``_t2``), best first: a subclass may
+        walk differently.
+        """
+        return unprotected(run, protected)
 
     def _from_t1(self, t1_size: int, t1_has: bool, t2_has: bool) -> bool:
         """Whether the next victim comes from T1: the preferred list, unless it has no
