@@ -185,10 +185,13 @@ def test_simulate_notices_a_load_that_brings_back_the_wrong_bytes(
 
     monkeypatch.setattr(TransferEngine, "submit_load", always_block_zero)
     argv = ["simulate", "--trace", small_trace, "--gpu-blocks", "10", "--cpu-blocks", "20"]
-    code, out, _ = run([*argv, "--json"], capsys)
+    code, out, err = run([*argv, "--json"], capsys)
     assert code == 1
     report = json.loads(out)
     assert report["all_loads_verified"] is False and report["load_mismatches"] > 0
+    assert err == f"kvoffload simulate: error: {report['load_mismatches']} loaded blocks " + (
+        "differ from what was stored\n"
+    )
 
 
 def test_simulate_prints_a_summary_on_a_bundled_trace(capsys: pytest.CaptureFixture[str]) -> None:
@@ -253,6 +256,8 @@ def test_verify_refuses_a_budget_that_is_not_a_positive_number(budget: object) -
         (["simulate", "--trace", "synthetic", "--policy", "mru"], "unknown policy 'mru'"),
         (["simulate", "--trace", "synthetic", "--gpu-blocks", "100"], "longest request"),
         (["simulate", "--block-bytes", "1GiB", "--cpu-blocks", "1m"], "memory"),
+        (["simulate", "--cpu-blocks", "1000000m"], "exceeds this machine's memory"),
+        (["simulate", "--policy", f"{__name__}:IgnoresProtection"], "kvoffload verify"),
         (["verify", "--policy", "nosuchmodule:Policy"], "cannot import 'nosuchmodule'"),
         (["verify", "--policy", "json:dumps"], "not an EvictionPolicy subclass"),
         (["verify", "--policy", "mru"], "unknown policy 'mru'"),

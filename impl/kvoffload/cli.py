@@ -40,11 +40,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return command(args)
     except OffloadError as error:
-        print(f"kvoffload {args.command_name}: error: {error}", file=sys.stderr)
-        return EXIT_ERROR
+        return _fail(args, str(error))
+    except MemoryError:
+        return _fail(args, "out of memory: try fewer or smaller blocks")
     except KeyboardInterrupt:
         print(f"kvoffload {args.command_name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _fail(args: argparse.Namespace, message: str) -> int:
+    print(f"kvoffload {args.command_name}: error: {message}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 # -- the command line ----------------------------------------------------------------------
@@ -260,19 +266,26 @@ def _run_simulate(args: argparse.Namespace) -> int:
         block_bytes=args.block_bytes,
         max_requests=args.requests,
     )
+    from kvoffload.policies.base import PolicyContractError
+
     console = _console(stderr=True)
-    with _progress(console, enabled=not args.json) as progress:
-        task = progress.add_task(f"replaying {trace.name}", total=None)
-        report = simulate(
-            trace,
-            config,
-            on_request=lambda done, total: progress.update(task, completed=done, total=total),
-        )
+    try:
+        with _progress(console, enabled=not args.json) as progress:
+            task = progress.add_task(f"replaying {trace.name}", total=None)
+            report = simulate(
+                trace,
+                config,
+                on_request=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+    except PolicyContractError as error:  # a bug in the user's policy, said in one line
+        return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
     if args.json:
         _print_json(report.to_json())
     else:
         _show_simulation(trace, report)
-    return EXIT_OK if report.all_loads_verified else EXIT_ERROR
+    if not report.all_loads_verified:
+        return _fail(args, f"{report.load_mismatches} loaded blocks differ from what was stored")
+    return EXIT_OK
 
 
 def _run_sweep(args: argparse.Namespace) -> int:

@@ -343,10 +343,12 @@ def simulate(
     """Replay ``trace`` (see the module docstring); bad sizes raise before any allocation."""
     requests = _check(trace, config)
     from kvoffload.manager import OffloadManager
+    from kvoffload.policies.loading import resolve_policy
 
-    manager = TimedManager(OffloadManager(config.cpu_blocks, config.policy))
+    policy = resolve_policy(config.policy)
     device = _device()
-    _check_memory(config, device)
+    _check_memory(config, device)  # before the manager, whose arrays grow with the pool
+    manager = TimedManager(OffloadManager(config.cpu_blocks, policy))
     engine = _Engine(trace.name, config, manager, device)
     started = time.perf_counter()
     with _one_cpu_thread():
