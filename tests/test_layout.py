@@ -106,8 +106,8 @@ def test_every_block_is_its_segments(kind: str, dtype: torch.dtype, device: str)
 
 @st.composite
 def strided_caches(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[int]]:
-    """Tensors of random rank and dtype, with the block dimension anywhere and the outer
-    dimensions in any memory order (a permuted view), as engines may hand them over.
+    """Tensors of random rank and dtype, with the block dimension anywhere, the outer
+    dimensions in any memory order (a permuted view) and any storage offset.
     """
     num_blocks = draw(st.integers(1, 4))
     tensors, dims = [], []
@@ -117,7 +117,9 @@ def strided_caches(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[int]]:
         dtype = draw(st.sampled_from(DTYPES))
         order = draw(st.permutations(range(len(outer) + 1)))
         stored_shape = [([*outer, num_blocks])[i] for i in order] + inner
-        base = torch.arange(math.prod(stored_shape), dtype=torch.int64).to(dtype)
+        skip = draw(st.integers(0, 5))  # the view may start inside its storage
+        size = math.prod(stored_shape)
+        base = torch.arange(skip + size, dtype=torch.int64).to(dtype)[skip:]
         base = base.reshape(stored_shape)
         inverse = sorted(range(len(order)), key=order.__getitem__)
         view = base.permute(*inverse, *range(len(order), len(stored_shape)))

@@ -181,10 +181,13 @@ def test_reset_waits_for_jobs_in_flight() -> None:
     finished: list[Finished] = []
     resetting = threading.Thread(target=lambda: finished.extend(offloader.reset()))
     resetting.start()
-    resetting.join(timeout=0.2)
-    assert resetting.is_alive(), "reset returned while a store was still copying"
-    gate.set()
+    try:
+        resetting.join(timeout=0.2)
+        returned_early = not resetting.is_alive()
+    finally:
+        gate.set()  # whatever happened, let the copy finish so nothing hangs
     resetting.join()
+    assert not returned_early, "reset returned while a store was still copying"
     assert [f.plan for f in finished] == [plan] and finished[0].ok
     assert offloader.lookup("a") is Lookup.MISS and offloader.num_in_flight == 0
     offloader.engine.fault_hook = None

@@ -1,0 +1,269 @@
+"""End to end against the spec: the Offloader with real tensors, mirrored in OffloadModel.
+
+Random interleavings of store, load, poll, touch, reset and injected copy failures drive an
+``Offloader`` over a real KV cache. Every manager call is mirrored in the spec's
+``OffloadModel`` (same plans, same errors), and after every poll each device block that
+no job is using must hold exactly what the test expects: the bytes its last completed
+load read from the CPU pool (the bytes stored for that key, by the store that made it
+readable), or what the test itself wrote there. Block contents derive from (key, store
+version), so a load that returned stale or partial bytes of an older store is caught.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from kvoffload import Finished, Offloader
+from kvoffload.manager import OffloadManager
+from kvoffload_spec import OffloadModel
+from kvoffload_spec.errors import BlockNotReadyError
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from tests.test_layout import CUDA, DTYPES, KINDS, make_cache, reference_block
+
+KEYS = range(6)
+keys_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=3)
+# a copy fails at run 0..5 of its job about once in four jobs
+fail_at = st.integers(0, 23).map(lambda n: n if n < 6 else None)
+
+
+class Injector:
+    """The fault hook: once armed, fails the next job that reaches run ``run``."""
+
+    def __init__(self) -> None:
+        self.armed: int | None = None
+        self.failed: list[int] = []
+
+    def __call__(self, job: int, run: int) -> None:
+        if run == self.armed:
+            self.armed = None
+            self.failed.append(job)
+            raise RuntimeError(f"injected into job {job} at run {run}")
+
+
+@dataclass
+class InFlight:
+    model_plan: StorePlan | LoadPlan
+    device_blocks: list[int]  # read (store) or written (load) by the job
+    fails: bool
+    contents: list[torch.Tensor]  # store: what each key's blocks held; load: what must land
+
+
+class OffloaderMachine(RuleBasedStateMachine):
+    device = "cpu"
+
+    @initialize(
+        kind=st.sampled_from(KINDS),
+        dtype=st.sampled_from(DTYPES),
+        factor=st.integers(1, 2),
+        cpu_blocks=st.integers(1, 4),
+        policy=st.sampled_from(["lru", "arc"]),
+    )
+    def build(
+        self, kind: str, dtype: torch.dtype, factor: int, cpu_blocks: int, policy: str
+    ) -> None:
+        self.factor = factor
+        num_blocks = factor * 8
+        self.tensors, self.block_dim = make_cache(
+            kind, num_blocks=num_blocks, dtype=dtype, layers=2, device=self.device
+        )
+        self.offloader = Offloader(
+            self.tensors,
+            num_cpu_blocks=cpu_blocks,
+            block_dim=self.block_dim,
+            block_size_factor=factor,
+            policy=policy,
+        )
+        self.injector = Injector()
+        self.offloader.engine.fault_hook = self.injector
+        self.model = OffloadModel(cpu_blocks, policy)
+        block_bytes = self.offloader.engine.layout.bytes_per_block
+        generator = torch.Generator().manual_seed(cpu_blocks * 7 + factor)
+        self.noise = torch.randint(0, 256, (block_bytes,), dtype=torch.int32, generator=generator)
+        self.expected: list[torch.Tensor] = [
+            reference_block(self.tensors, self.block_dim, b) for b in range(num_blocks)
+        ]
+        self.busy: set[int] = set()
+        self.in_flight: dict[int, InFlight] = {}  # plan id -> what the test expects
+        self.stored: dict[Key, list[torch.Tensor]] = {}  # readable key -> its sub-blocks
+        self.version = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def content(self, key: int, sub_block: int) -> torch.Tensor:
+        salt = key * 131 + self.version * 29 + sub_block * 17 + 1
+        return ((self.noise + salt) % 256).to(torch.uint8)
+
+    def write(self, block: int, data: torch.Tensor) -> None:
+        dims = [self.block_dim] * len(self.tensors)
+        offset = 0
+        for tensor, dim in zip(self.tensors, dims, strict=True):
+            raw = tensor.select(dim, block).view(torch.uint8)
+            raw.copy_(data[offset : offset + raw.numel()].reshape(raw.shape))
+            offset += raw.numel()
+        self.expected[block] = data.clone()
+
+    def free_blocks(self, count: int, order: list[int]) -> list[int] | None:
+        free = [b for b in order if b not in self.busy]
+        return free[:count] if len(free) >= count else None
+
+    def check_plan(self, plan: StorePlan | LoadPlan | None, model_plan: object) -> None:
+        assert plan == model_plan, f"offloader planned {plan}, the spec {model_plan}"
+
+    def ready_keys(self) -> list[int]:
+        return [k for k in KEYS if self.model.lookup(k) is Lookup.HIT]
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @rule(keys=keys_lists, order=st.permutations(range(16)), fail_at=fail_at, poll=st.booleans())
+    def store(self, keys: list[int], order: list[int], fail_at: int | None, poll: bool) -> None:
+        k = self.factor
+        blocks = self.free_blocks(k * len(keys), [b for b in order if b < 8 * k])
+        if blocks is None:
+            return
+        self.version += 1
+        contents = [self.content(key, j % k) for key in keys for j in range(k)]
+        for block, data in zip(blocks, contents, strict=True):
+            self.write(block, data)
+        self.injector.armed = fail_at
+        fired_before = len(self.injector.failed)
+        plan = self.offloader.store(keys, blocks)
+        self.injector.armed = None
+        model_plan = self.model.prepare_store(keys)
+        self.check_plan(plan, model_plan)
+        event(f"store: {'no room' if plan is None else f'{len(plan.keys)} keys'}")
+        if plan is None:
+            return
+        assert model_plan is not None
+        self.busy.update(blocks)
+        fails = len(self.injector.failed) > fired_before
+        first: dict[Key, int] = {key: i for i, key in reversed(list(enumerate(keys)))}
+        kept = [contents[first[key] * k + j] for key in plan.keys for j in range(k)]
+        self.in_flight[plan.plan_id] = InFlight(model_plan, blocks, fails, kept)
+        if poll:
+            self.complete(self.offloader.poll())
+
+    @precondition(lambda self: bool(self.ready_keys()))
+    @rule(data=st.data(), order=st.permutations(range(16)), fail_at=fail_at, poll=st.booleans())
+    def load(self, data: st.DataObject, order: list[int], fail_at: int | None, poll: bool) -> None:
+        k = self.factor
+        keys = data.draw(st.lists(st.sampled_from(self.ready_keys()), min_size=1, max_size=3))
+        blocks = self.free_blocks(k * len(keys), [b for b in order if b < 8 * k])
+        if blocks is None:
+            return
+        self.injector.armed = fail_at
+        fired_before = len(self.injector.failed)
+        plan = self.offloader.load(keys, blocks)
+        self.injector.armed = None
+        model_plan = self.model.prepare_load(keys)
+        self.check_plan(plan, model_plan)
+        self.busy.update(blocks)
+        fails = len(self.injector.failed) > fired_before
+        landing = [self.stored[key][j] for key in keys for j in range(k)]
+        self.in_flight[plan.plan_id] = InFlight(model_plan, blocks, fails, landing)
+        if poll:
+            self.complete(self.offloader.poll())
+
+    @rule(key=st.sampled_from(KEYS))
+    def load_a_key_that_is_not_ready(self, key: int) -> None:
+        found = self.model.lookup(key)
+        if found is Lookup.HIT:
+            return
+        before = repr(self.offloader.manager)
+        with pytest.raises(BlockNotReadyError) as raised:
+            self.offloader.load([key], list(range(self.factor)))
+        with pytest.raises(type(raised.value)):
+            self.model.prepare_load([key])
+        assert repr(self.offloader.manager) == before
+
+    @rule(keys=keys_lists)
+    def touch(self, keys: list[int]) -> None:
+        self.offloader.touch(keys)
+        self.model.touch(keys)
+
+    @rule(data=st.data())
+    def poll(self, data: st.DataObject) -> None:
+        # Waiting first makes the finished set independent of timing on CUDA; on the CPU
+        # every job finished inside its submit call.
+        waiting = data.draw(st.sets(st.sampled_from(sorted(self.in_flight) or [-1])))
+        plans = [self.in_flight[p].model_plan for p in waiting if p in self.in_flight]
+        self.offloader.wait(plans)
+        self.complete(self.offloader.poll())
+
+    @rule(now=st.integers(0, 3))
+    def reset(self, now: int) -> None:
+        if now:  # engines reset rarely; a reset every few steps would hide longer histories
+            return
+        self.complete(self.offloader.reset())
+        assert not self.in_flight and not self.busy
+        self.model.reset_cache()
+        self.stored.clear()
+
+    def complete(self, finished: list[Finished]) -> None:
+        for done in finished:
+            flight = self.in_flight.pop(done.plan.plan_id)
+            assert done.ok != flight.fails, f"{done.result} but the test expected otherwise"
+            event(f"{type(done.plan).__name__} {'ok' if done.ok else 'failed'}")
+            self.busy.difference_update(flight.device_blocks)
+            plan = flight.model_plan
+            if isinstance(plan, StorePlan):
+                self.model.complete_store(plan, success=done.ok)
+                if done.ok and plan.generation == self.model.state.generation:
+                    k = self.factor
+                    for i, key in enumerate(plan.keys):
+                        self.stored[key] = flight.contents[i * k : (i + 1) * k]
+            else:
+                self.model.complete_load(plan)
+                for block, data in zip(flight.device_blocks, flight.contents, strict=True):
+                    self.expected[block] = data if done.ok else torch.empty(0)
+        self.stored = {k: v for k, v in self.stored.items() if self.model.lookup(k) is Lookup.HIT}
+        self.check_device_blocks()
+
+    def check_device_blocks(self) -> None:
+        for block, expected in enumerate(self.expected):
+            if block in self.busy or expected.numel() == 0:
+                continue  # a job is using it, or a failed load left it undefined
+            actual = reference_block(self.tensors, self.block_dim, block)
+            assert torch.equal(actual, expected), f"device block {block} holds wrong bytes"
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def manager_agrees_with_the_spec(self) -> None:
+        manager = self.offloader.manager
+        assert isinstance(manager, OffloadManager)
+        manager.check_invariants()
+        assert manager.num_free_blocks == self.model.num_free_blocks
+        assert manager.num_evictable_blocks == self.model.num_evictable_blocks
+        assert [manager.lookup(k) for k in KEYS] == [self.model.lookup(k) for k in KEYS]
+        assert self.offloader.num_in_flight == len(self.in_flight)
+
+    def teardown(self) -> None:
+        if hasattr(self, "offloader"):
+            self.offloader.close()
+
+
+# A load needs a store and a poll before it: three times the profile's examples make
+# completed loads (and failed ones) common in every run, at ~10 s on 2 cores for "ci".
+OffloaderMachine.TestCase.settings = settings(max_examples=3 * settings().max_examples)
+TestOffloaderOnCpu = OffloaderMachine.TestCase
+
+
+class CudaOffloaderMachine(OffloaderMachine):
+    device = "cuda"
+
+
+TestOffloaderOnCuda = pytest.mark.cuda(
+    pytest.mark.skipif(not CUDA, reason="needs CUDA")(CudaOffloaderMachine.TestCase)
+)
