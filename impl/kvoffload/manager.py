@@ -406,8 +406,9 @@ class OffloadManager:
             problems.append(f"resident slots {slots} and freed {self._freed} overlap or leak")
         if any(not 0 <= slot < self._fresh <= self._num_blocks for slot in every_slot):
             problems.append(f"a slot lies outside [0, {self._fresh}) or beyond the pool")
-        if self._freed and self._freed[0] != min(self._freed):
-            problems.append("the free-slot heap is out of order")
+        freed = self._freed
+        if any(freed[(child - 1) // 2] > freed[child] for child in range(1, len(freed))):
+            problems.append(f"the free-slot heap {freed} is out of order")
         counted = sum(1 for key in self._slot_of if self._is_evictable(key))
         if counted != self._num_evictable:
             problems.append(f"evictable counter {self._num_evictable}, but {counted} are")
