@@ -1,0 +1,161 @@
+"""The manager benchmark runs, and writes what docs/performance.md says it writes.
+
+Timings are not checked here (they belong to the benchmark's report, not to the gate); the
+structure of the JSON is, and so is the benchmark's naive manager: it must give the same
+answers as the manager, or the speedup measured against it would be meaningless.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvoffload.manager import OffloadManager
+from kvoffload_spec.surface import LoadPlan, Lookup, StorePlan
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, object], Path]:
+    out = tmp_path_factory.mktemp("bench") / "manager.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "manager_bench.py"), "--quick", "--json", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    printed: dict[str, object] = json.loads(done.stdout)
+    return printed, out
+
+
+def section(result: dict[str, object], name: str) -> dict[str, object]:
+    found = result[name]
+    assert isinstance(found, dict)
+    return found
+
+
+def rows(result: dict[str, object], name: str, field: str = "rows") -> list[dict[str, object]]:
+    found = section(result, name)[field]
+    assert isinstance(found, list) and found
+    assert all(isinstance(row, dict) for row in found)
+    return found
+
+
+def assert_positive_numbers(row: dict[str, object], *fields: str) -> list[float]:
+    values: list[float] = []
+    for field in fields:
+        value = row[field]
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), (field, row)
+        assert math.isfinite(value) and value > 0, (field, row)
+        values.append(value)
+    return values
+
+
+def test_the_json_printed_is_the_json_written(quick_run: tuple[dict[str, object], Path]) -> None:
+    printed, out = quick_run
+    assert json.loads(out.read_text(encoding="utf-8")) == printed
+    assert printed["benchmark"] == "manager" and printed["quick"] is True
+    machine = section(printed, "machine")
+    assert {"python", "implementation", "platform", "cpus"} <= machine.keys()
+
+
+def test_fast_fail_compares_every_size_with_the_naive_manager(
+    quick_run: tuple[dict[str, object], Path],
+) -> None:
+    result, _ = quick_run
+    fast_fail = rows(result, "fast_fail")
+    assert [row["blocks"] for row in fast_fail] == [1_000, 10_000]
+    for row in fast_fail:
+        assert_positive_numbers(row, "manager_us", "naive_us", "speedup")
+    summary = section(result, "fast_fail")
+    assert_positive_numbers(summary, "growth", "speedup_at_largest")
+    assert isinstance(summary["growth_met"], bool) and isinstance(summary["speedup_met"], bool)
+
+
+def test_one_victim_covers_every_policy_and_pin_level(
+    quick_run: tuple[dict[str, object], Path],
+) -> None:
+    result, _ = quick_run
+    configurations = {(r["blocks"], r["policy"], r["pinned"]) for r in rows(result, "one_victim")}
+    assert configurations == {
+        (n, policy, pinned)
+        for n in (1_000, 10_000)
+        for policy in ("lru", "arc")
+        for pinned in (0.0, 0.5, 0.99)
+    }
+    long_runs = rows(result, "one_victim", "long_runs")
+    assert {row["policy"] for row in long_runs} == {"lru", "arc"}
+    for row in rows(result, "one_victim") + long_runs:
+        fields = ("median_us", "p99_us", "p999_us", "max_us", "raw_max_us")
+        latencies = assert_positive_numbers(row, *fields)
+        assert latencies == sorted(latencies), row
+        assert_positive_numbers(row, "calls", "rounds", "steady_max_us")
+        assert row["max_cause"] in {"collection", "dict rebuild", "steady"}
+        slow = row["slow_calls"]
+        assert isinstance(slow, dict) and set(slow) <= {"collection", "dict rebuild", "steady"}
+
+
+def test_memory_and_replay_rows(quick_run: tuple[dict[str, object], Path]) -> None:
+    result, _ = quick_run
+    for row in rows(result, "memory"):
+        assert_positive_numbers(row, "blocks", "bytes_per_block")
+    assert section(result, "replay")["trace"] == "conversation"
+    for row in rows(result, "replay"):
+        assert_positive_numbers(row, "requests", "calls", "calls_per_s", "requests_per_s")
+        assert isinstance(row["hit_ratio"], float) and 0.0 <= row["hit_ratio"] <= 1.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_naive_manager_evicts_what_the_manager_evicts(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random histories, call by call against ``OffloadManager`` (which the differential
+    test holds to the spec): long enough for touches to reorder blocks evicted later.
+    """
+    monkeypatch.syspath_prepend(str(BENCH))
+    from naive_manager import naive_manager
+
+    rng = random.Random(seed)
+    managers = (OffloadManager(4, "lru"), naive_manager(4))
+    stores: list[tuple[StorePlan, StorePlan]] = []
+    loads: list[tuple[LoadPlan, LoadPlan]] = []
+    keys = range(8)
+    for step in range(300):
+        action = rng.choice(("store", "store", "complete", "load", "unload", "touch", "touch"))
+        chosen = rng.sample(keys, rng.randint(1, 3))
+        if action == "store":
+            plans = [manager.prepare_store(chosen) for manager in managers]
+            assert plans[0] == plans[1], (step, plans)
+            if plans[0] is not None and plans[1] is not None:
+                stores.append((plans[0], plans[1]))
+        elif action == "complete" and stores:
+            success = rng.random() < 0.8
+            pair = stores.pop(rng.randrange(len(stores)))
+            for manager, store_plan in zip(managers, pair, strict=True):
+                manager.complete_store(store_plan, success)
+        elif action == "load":
+            ready = [key for key in chosen if managers[0].lookup(key) is Lookup.HIT]
+            if ready:
+                loaded = [manager.prepare_load(ready) for manager in managers]
+                assert loaded[0] == loaded[1], (step, loaded)
+                loads.append((loaded[0], loaded[1]))
+        elif action == "unload" and loads:
+            for manager, load_plan in zip(
+                managers, loads.pop(rng.randrange(len(loads))), strict=True
+            ):
+                manager.complete_load(load_plan)
+        elif action == "touch":
+            for manager in managers:
+                manager.touch(chosen)
+        assert [managers[0].lookup(k) for k in keys] == [managers[1].lookup(k) for k in keys]
+    for manager in managers:
+        manager.check_invariants()
