@@ -65,8 +65,8 @@ class TensorCopier:
         ):
             if hook is not None:
                 hook(job.job_id, index)
-            device = self._storages[segment].narrow(0, device_at, size)
-            cpu = self._pool.narrow(0, cpu_at, size)
+            device = self._storages[segment][device_at : device_at + size]
+            cpu = self._pool[cpu_at : cpu_at + size]
             if store:
                 cpu.copy_(device, non_blocking=True)
             else:

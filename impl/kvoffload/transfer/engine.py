@@ -250,5 +250,6 @@ def as_block_ids(name: str, ids: object, limit: int) -> IdArray:
 
 
 def require_distinct(name: str, ids: IdArray) -> None:
-    if len(np.unique(ids)) != len(ids):
+    ordered = np.sort(ids)
+    if (ordered[1:] == ordered[:-1]).any():
         raise InvalidArgumentError(f"{name} are written to and must not repeat")

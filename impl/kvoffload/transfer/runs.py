@@ -47,34 +47,44 @@ class BlockMapping:
         segments = layout.segments
         self.factor = factor
         self.cpu_block_bytes = factor * layout.bytes_per_block
-        column = np.array  # every per-segment constant is a column: it broadcasts over blocks
-        self._base = column([[s.base] for s in segments], dtype=np.int64)
-        self._stride = column([[s.stride] for s in segments], dtype=np.int64)
-        self._nbytes = column([[s.nbytes] for s in segments], dtype=np.int64)
-        starts = np.cumsum([0] + [s.nbytes for s in segments[:-1]], dtype=np.int64)
-        self._cpu_offset = (factor * starts)[:, None]
+        self._base = np.array([s.base for s in segments], dtype=np.int64)
+        self._stride = np.array([s.stride for s in segments], dtype=np.int64)
+        self._nbytes = np.array([s.nbytes for s in segments], dtype=np.int64)
+        self._cpu_offset = factor * (np.cumsum(self._nbytes) - self._nbytes)
+        self._sub_blocks = np.arange(factor, dtype=np.int64)
+        # Where block i may continue the run of block i-1 (consecutive ids on both sides):
+        # on the device, only in segments whose blocks are packed; in the pool, within a
+        # CPU block, and across CPU blocks only when a CPU block is a single segment.
+        self._packed = (self._stride == self._nbytes)[:, None]
+        self._runs_cross_cpu_blocks = len(segments) == 1
 
     def runs(self, device_ids: IdArray, cpu_ids: IdArray, *, to_cpu: bool) -> CopyRuns:
         """The runs of one job; ids are validated already (``len(device_ids) == factor *
-        len(cpu_ids)``, destinations distinct).
+        len(cpu_ids)``, destinations distinct). Each numpy call here works on the whole job,
+        so a job costs a few dozen calls whatever its size.
         """
-        k = self.factor
-        cpu_sub = np.repeat(cpu_ids * k, k) + np.arange(len(device_ids), dtype=np.int64) % k
+        k, n = self.factor, len(device_ids)
+        if n == 0:
+            empty = np.empty(0, dtype=np.int64)
+            return CopyRuns(empty, empty, empty, empty)
+        cpu_sub = cpu_ids if k == 1 else (cpu_ids[:, None] * k + self._sub_blocks).ravel()
         order = np.argsort(cpu_sub if to_cpu else device_ids, kind="stable")
-        device_off = self._base + device_ids[order] * self._stride
-        sorted_sub = cpu_sub[order]
-        cpu_off = (sorted_sub // k) * self.cpu_block_bytes + self._cpu_offset
-        cpu_off += (sorted_sub % k) * self._nbytes
-        starts = np.ones(device_off.shape, dtype=bool)
-        starts[:, 1:] = (device_off[:, 1:] != device_off[:, :-1] + self._nbytes) | (
-            cpu_off[:, 1:] != cpu_off[:, :-1] + self._nbytes
-        )
-        first = np.flatnonzero(starts)
-        segment = first // max(len(device_ids), 1)
-        lengths = np.diff(first, append=starts.size)
+        device, sub = device_ids[order], cpu_sub[order]
+        follows = np.zeros(n, dtype=bool)
+        follows[1:] = (device[1:] == device[:-1] + 1) & (sub[1:] == sub[:-1] + 1)
+        if not self._runs_cross_cpu_blocks:
+            follows[1:] &= sub[1:] % k != 0
+        starts = np.flatnonzero(~(follows & self._packed))  # row-major over [segment, block]
+        segment, block = starts // n, starts % n
+        lengths = np.empty_like(starts)
+        lengths[:-1] = starts[1:] - starts[:-1]
+        lengths[-1] = follows.size * len(self._nbytes) - starts[-1]
+        first_sub = sub[block]
         return CopyRuns(
             segment=segment,
-            device_offset=device_off.ravel()[first],
-            cpu_offset=cpu_off.ravel()[first],
-            nbytes=lengths * self._nbytes[segment, 0],
+            device_offset=self._base[segment] + device[block] * self._stride[segment],
+            cpu_offset=(first_sub // k) * self.cpu_block_bytes
+            + self._cpu_offset[segment]
+            + (first_sub % k) * self._nbytes[segment],
+            nbytes=lengths * self._nbytes[segment],
         )

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The data path's GPU checks (issue 4) in one run, sized for 8 minutes on one H200:
+#   1. the machine: GPU, torch, and whether pytest/hypothesis/numpy import;
+#   2. the data-path tests, CPU and CUDA variants (pytest, cuda-marked ones included);
+#   3. bench/transfer_bench.py on CUDA: store/load GB/s next to pinned cudaMemcpy;
+#   4. the overlap check: a bf16 matmul loop alone and while stores run.
+# Each step has its own timeout, and a failing step does not stop the others. Outputs land
+# in $OUT (default ./gpu_out): env.log, pytest.log, transfer.log, transfer_cuda.json,
+# overlap.log, overlap.json, summary.txt.
+#
+# The project is used from the working tree (PYTHONPATH=spec:impl): nothing is built or
+# downloaded. If pytest or hypothesis is missing and wheels were carried in ./.whl, they
+# are installed from there into /tmp/site (no network).
+#
+#   bash bench/gpu_check.sh            # or: OUT=/some/dir PYTHON=python3 bash bench/gpu_check.sh
+
+set -u
+set -x
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT" || exit 1
+OUT="${OUT:-$ROOT/gpu_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$ROOT/spec:$ROOT/impl:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export KVOFFLOAD_HYPOTHESIS_PROFILE="${KVOFFLOAD_HYPOTHESIS_PROFILE:-ci}"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+started=$(date +%s)
+
+# step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, record rc.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local begin=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc ($(($(date +%s) - begin)) s, limit $limit s)" | tee -a "$SUMMARY"
+    return 0
+}
+
+step env 60 bash -c "
+    nvidia-smi; uname -a; $PY --version
+    $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))'
+    $PY -c 'import numpy, pytest, hypothesis; print(numpy.__version__, pytest.__version__, hypothesis.__version__)'
+"
+
+if ! "$PY" -c 'import pytest, hypothesis, numpy' 2>/dev/null; then
+    if [ -d .whl ]; then
+        "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+        export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+    "$PY" -c 'import pytest, hypothesis, numpy' || echo "pytest/hypothesis/numpy missing" | tee -a "$SUMMARY"
+fi
+
+step pytest 240 "$PY" -m pytest -q -rs --durations=10 \
+    tests/test_layout.py tests/test_transfer.py tests/test_offloader.py \
+    tests/test_offloader_stateful.py
+
+step transfer 150 "$PY" bench/transfer_bench.py --device cuda --out "$OUT/transfer_cuda.json"
+
+step overlap 60 "$PY" bench/transfer_bench.py --overlap --out "$OUT/overlap.json"
+
+echo "total: $(($(date +%s) - started)) s" | tee -a "$SUMMARY"
+tail -n 3 "$OUT/pytest.log" | tee -a "$SUMMARY"
