@@ -340,8 +340,13 @@ def invariant_violations(state: SpecState) -> list[str]:
         if b.refs < 0 or (not b.ready and b.refs != 0):
             problems.append(f"{key!r} has refs {b.refs} while {'ready' if b.ready else 'pending'}")
         plan = state.open_plans.get(b.store_plan) if b.store_plan is not None else None
-        if b.store_plan is not None and (plan is None or plan.generation != state.generation):
+        if b.store_plan is not None and (
+            not isinstance(plan, StorePlan)
+            or plan.generation != state.generation
+            or key not in plan.keys
+        ):
             problems.append(f"{key!r} is pending on plan {b.store_plan}, which is not open now")
+    problems.extend(_plan_violations(state))
     resident = state.order.resident()
     if set(resident) != set(blocks) or len(resident) != len(blocks):
         problems.append(f"policy order {resident} does not hold exactly the resident keys")
@@ -365,4 +370,39 @@ def invariant_violations(state: SpecState) -> list[str]:
         problems.append("an open plan belongs to a future generation")
     if any(plan_id >= state.next_plan_id for plan_id in state.open_plans):
         problems.append("an open plan has an id that was never issued")
+    return problems
+
+
+def _plan_violations(state: SpecState) -> list[str]:
+    """The open plans agree with the blocks: a current store plan's keys are pending on it in
+    its slots, and a ready block's refs count exactly its keys in current load plans.
+
+    Plain consequences of the transitions, stated so that a checker that builds arbitrary
+    states (CrossHair) builds only those a history could reach.
+    """
+    problems: list[str] = []
+    expected_refs: dict[Key, int] = {}
+    for plan_id, plan in state.open_plans.items():
+        if plan.plan_id != plan_id or len(plan.keys) != len(plan.block_ids):
+            problems.append(f"open plan {plan_id} is malformed: {plan!r}")
+            continue
+        if plan.generation != state.generation:
+            continue  # stale: a reset dropped everything it named
+        for key, slot in zip(plan.keys, plan.block_ids, strict=True):
+            block = state.blocks.get(key)
+            if isinstance(plan, StorePlan):
+                wanted = block is not None and block.store_plan == plan_id
+            else:
+                wanted = block is not None and block.ready
+                expected_refs[key] = expected_refs.get(key, 0) + 1
+            if not wanted or block is None or block.slot != slot:
+                problems.append(f"{key!r} in slot {slot} does not match open plan {plan!r}")
+        if isinstance(plan, StorePlan) and len(set(plan.keys)) != len(plan.keys):
+            problems.append(f"store plan {plan_id} lists a key twice")
+    for key, block in state.blocks.items():
+        if block.refs != expected_refs.get(key, 0):
+            problems.append(
+                f"{key!r} has refs {block.refs} but current load plans read it "
+                f"{expected_refs.get(key, 0)} times"
+            )
     return problems

@@ -1,0 +1,279 @@
+"""Entry points that let CrossHair check the spec's transitions on every small state.
+
+CrossHair builds ``self`` through ``__init__`` from symbolic arguments. A constructor that
+took the raw fields (free list, counter, plans...) would almost never produce a state that
+satisfies the invariants: CrossHair would spend its budget on unreachable junk and report
+nothing, a vacuous pass. These constructors take a few plain values instead and *derive* a
+consistent state from them: which key sits in which slot, which slots are pending on which
+store plan, which load plans read which slots, the policy's order and the offer tracker.
+Every state a history can reach is one of them, and all of them satisfy the invariants,
+which each check still asserts.
+
+Keys come from a small key space, ``0 .. KEY_SPACE - 1``, so that a call's keys often meet
+the resident ones, which is where the bugs are. An int argument picks its key by
+comparisons (see :func:`_key`) rather than ``% KEY_SPACE``: CrossHair explores both sides
+of each comparison, while it would turn a symbolic remainder into one concrete number,
+nearly always 0, the moment the key is hashed.
+
+Each ``check_*`` method opens with the precondition (at most :data:`MAX_BLOCKS` blocks and
+every invariant holds), runs one transition, whose own asserts are checked on the way, and
+closes with the postcondition (every invariant still holds). Check one method at a time::
+
+    crosshair check --analysis_kind=asserts --per_condition_timeout=5 \\
+        kvoffload_spec.contracts.LruContracts.check_prepare_store
+
+Capacities stay tiny on purpose: CrossHair found a planted protection bug in 4 s with 3
+blocks and not in 20 s with 5 (DESIGN.md section 6).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
+from kvoffload_spec.state import Block, SpecState, invariant_violations
+from kvoffload_spec.surface import Key, LoadPlan, StorePlan
+
+MAX_BLOCKS = 3
+KEY_SPACE = MAX_BLOCKS + 2  # room for every block and two keys that are not resident
+
+CHECKS = (
+    "check_prepare_store",
+    "check_complete_store",
+    "check_prepare_load",
+    "check_complete_load",
+    "check_touch",
+    "check_reset_cache",
+)
+"""The methods to hand to ``crosshair check``, one target each, on both classes below."""
+
+_CURRENT, _STALE = 1, 0  # the generation of the state, and that of plans made before it
+
+
+def _key(value: int) -> int:
+    """A key of the small key space, chosen by comparisons CrossHair branches on."""
+    for key in range(KEY_SPACE - 1):
+        if value <= key:
+            return key
+    return KEY_SPACE - 1
+
+
+def _keys(values: Sequence[int]) -> list[Key]:
+    """Keys of the small key space, each once, in order."""
+    return list(dict.fromkeys(_key(value) for value in values))
+
+
+class _Checks(SpecState):
+    """A consistent state derived from plain values (see the module's docstring).
+
+    ``slots[i]`` says what slot ``i`` holds: nothing if negative, a ready block if zero, a
+    block still pending on the store plan labelled ``slots[i]`` if positive. The key in
+    slot ``i`` is ``(i + _key(shift)) % KEY_SPACE``: keys are opaque, so naming them by slot loses
+    nothing, and the shift keeps a key from always equalling its slot. ``loads`` lists, per
+    open load plan, the slots it reads (those not ready are left out). ``stale`` gives the
+    keys of a store plan and of a load plan made before the last reset (none if empty).
+    """
+
+    _args: tuple[object, ...]  # what the constructor was given, for a counterexample's repr
+
+    def __init__(
+        self,
+        slots: list[int],
+        shift: int,
+        loads: list[list[int]],
+        stale: list[int],
+        order: PolicyOrder,
+    ) -> None:
+        num_blocks = len(slots)
+        key_in = {
+            slot: (slot + _key(shift)) % KEY_SPACE for slot in range(num_blocks) if slots[slot] >= 0
+        }
+        blocks: dict[Key, Block] = {key: Block(slot) for slot, key in key_in.items()}
+        plans: list[StorePlan | LoadPlan] = []
+        for label in sorted({slots[slot] for slot in key_in if slots[slot] > 0}):
+            # A plan takes the lowest free slots in call order: its keys are in slot order.
+            pending = tuple(slot for slot in key_in if slots[slot] == label)
+            for slot in pending:
+                blocks[key_in[slot]].store_plan = len(plans)
+            keys = tuple(key_in[slot] for slot in pending)
+            plans.append(StorePlan(keys, pending, (), len(plans), _CURRENT, 0))
+        for read in loads:
+            readable = tuple(s for s in read if s in key_in and slots[s] == 0)
+            for slot in readable:
+                blocks[key_in[slot]].refs += 1
+            keys = tuple(key_in[slot] for slot in readable)
+            plans.append(LoadPlan(keys, readable, len(plans), _CURRENT, 0))
+        if stale:
+            dropped = tuple(_keys(stale))
+            places = tuple(range(len(dropped)))
+            plans.append(StorePlan(dropped, places, (), len(plans), _STALE, 0))
+            plans.append(LoadPlan(dropped, places, len(plans), _STALE, 0))
+        super().__init__(
+            num_blocks=num_blocks,
+            order=order,
+            blocks=blocks,
+            free_slots=[slot for slot in range(num_blocks) if slot not in key_in],
+            num_evictable=sum(1 for b in blocks.values() if b.ready and b.refs == 0),
+            generation=_CURRENT,
+            open_plans={plan.plan_id: plan for plan in plans},
+            next_plan_id=len(plans),
+            max_tracker_size=MAX_BLOCKS,
+        )
+
+    def _check_prepare_store(self, keys: list[int]) -> None:
+        assert 1 <= self.num_blocks <= MAX_BLOCKS
+        assert not invariant_violations(self)
+        call = [_key(key) for key in keys]
+        before = self._cache()
+        absent = [key for key in dict.fromkeys(call) if key not in self.blocks]
+        outside = sum(1 for key in self.blocks if self.evictable(key) and key not in call)
+        room = len(self.free_slots) + outside
+        plan = self.prepare_store(call)
+        # Counted after the call, which records its offers before it picks candidates.
+        threshold = self.store_threshold
+        candidates = [k for k in absent if threshold < 2 or self.offers.get(k, 0) >= threshold]
+        # Refused exactly when the candidates cannot fit in the free and evictable blocks.
+        assert (plan is None) == (len(candidates) > room)
+        assert plan is None or list(plan.keys) == candidates
+        assert plan is not None or self._cache() == before
+        assert not invariant_violations(self)
+
+    def _check_complete_store(self, which: int, success: bool) -> None:
+        assert 1 <= self.num_blocks <= MAX_BLOCKS
+        assert any(isinstance(plan, StorePlan) for plan in self.open_plans.values())
+        assert not invariant_violations(self)
+        plans = [plan for plan in self.open_plans.values() if isinstance(plan, StorePlan)]
+        plan = plans[which % len(plans)]
+        self.complete_store(plan, success)
+        assert plan.plan_id not in self.open_plans
+        assert not invariant_violations(self)
+
+    def _check_prepare_load(self, slots: list[int]) -> None:
+        """Load the keys in ``slots`` (reduced modulo the capacity): a load needs hits."""
+        assert 1 <= self.num_blocks <= MAX_BLOCKS
+        assert not invariant_violations(self)
+        key_in = {block.slot: key for key, block in self.blocks.items() if block.ready}
+        keys = [key_in[s % self.num_blocks] for s in slots if s % self.num_blocks in key_in]
+        self.prepare_load(keys)
+        assert not invariant_violations(self)
+
+    def _check_complete_load(self, which: int) -> None:
+        assert 1 <= self.num_blocks <= MAX_BLOCKS
+        assert any(isinstance(plan, LoadPlan) for plan in self.open_plans.values())
+        assert not invariant_violations(self)
+        plans = [plan for plan in self.open_plans.values() if isinstance(plan, LoadPlan)]
+        plan = plans[which % len(plans)]
+        self.complete_load(plan)
+        assert plan.plan_id not in self.open_plans
+        assert not invariant_violations(self)
+
+    def _check_touch(self, keys: list[int]) -> None:
+        assert 1 <= self.num_blocks <= MAX_BLOCKS
+        assert not invariant_violations(self)
+        self.touch([_key(key) for key in keys])
+        assert not invariant_violations(self)
+
+    def _check_reset_cache(self) -> None:
+        assert 1 <= self.num_blocks <= MAX_BLOCKS
+        assert not invariant_violations(self)
+        self.reset_cache()
+        assert not self.blocks and self.num_evictable == 0
+        assert not invariant_violations(self)
+
+    def _cache(self) -> tuple[object, ...]:
+        """What a failed ``prepare_store`` must leave as it was (the tracker may move)."""
+        cache = (self.blocks, self.free_slots, self.num_evictable, self.order, self.open_plans)
+        return (*copy.deepcopy(cache), self.next_plan_id, self.generation)
+
+    def _resident_first(self, keys: Sequence[int]) -> list[Key]:
+        """The resident keys among ``keys``, in that order, then the others by slot."""
+        chosen = [key for key in _keys(keys) if key in self.blocks]
+        rest = sorted(
+            (key for key in self.blocks if key not in chosen), key=lambda k: self.blocks[k].slot
+        )
+        return chosen + rest
+
+
+class LruContracts(_Checks):
+    """A spec state under LRU, with the offer tracker in play.
+
+    ``lru`` orders the resident keys, least recent first (the others follow by slot).
+    ``store_threshold`` and ``offered`` (keys offered, oldest first) set up the tracker.
+    """
+
+    # CrossHair looks a target method up in the class's own namespace only, and would check
+    # a method twice if the base class had one of the same name.
+    check_prepare_store = _Checks._check_prepare_store
+    check_complete_store = _Checks._check_complete_store
+    check_prepare_load = _Checks._check_prepare_load
+    check_complete_load = _Checks._check_complete_load
+    check_touch = _Checks._check_touch
+    check_reset_cache = _Checks._check_reset_cache
+
+    def __init__(
+        self,
+        slots: list[int],
+        shift: int,
+        loads: list[list[int]],
+        stale: list[int],
+        lru: list[int],
+        store_threshold: int,
+        offered: list[int],
+    ) -> None:
+        self._args = (slots, shift, loads, stale, lru)
+        self._args += (store_threshold, offered)
+        order = LruOrder()
+        super().__init__(slots, shift, loads, stale, order)
+        order.order = self._resident_first(lru)
+        self.store_threshold = store_threshold
+        self._record_offers([_key(value) for value in offered])
+
+    def __repr__(self) -> str:
+        return f"LruContracts{self._args!r}"
+
+
+class ArcContracts(_Checks):
+    """A spec state under ARC.
+
+    ``t2`` lists the resident ready keys in T2, least recent first; the other resident keys
+    are in T1, in ``t1``'s order (the others follow by slot). ``b1`` and ``b2`` are the
+    ghosts (keys not resident; the most recent :data:`MAX_BLOCKS` of each are kept) and
+    ``p`` the target size of T1.
+    """
+
+    # CrossHair looks a target method up in the class's own namespace only, and would check
+    # a method twice if the base class had one of the same name.
+    check_prepare_store = _Checks._check_prepare_store
+    check_complete_store = _Checks._check_complete_store
+    check_prepare_load = _Checks._check_prepare_load
+    check_complete_load = _Checks._check_complete_load
+    check_touch = _Checks._check_touch
+    check_reset_cache = _Checks._check_reset_cache
+
+    def __init__(
+        self,
+        slots: list[int],
+        shift: int,
+        loads: list[list[int]],
+        stale: list[int],
+        t1: list[int],
+        t2: list[int],
+        b1: list[int],
+        b2: list[int],
+        p: float,
+    ) -> None:
+        self._args = (slots, shift, loads, stale, t1, t2, b1, b2, p)
+        arc = ArcOrder(len(slots))
+        super().__init__(slots, shift, loads, stale, arc)
+        blocks = self.blocks
+        # A pending key was inserted into T1 and has not been touched while ready since.
+        arc.t2 = [key for key in _keys(t2) if key in blocks and blocks[key].ready]
+        arc.t1 = [key for key in self._resident_first(t1) if key not in arc.t2]
+        arc.b1 = [key for key in _keys(b1) if key not in blocks][-MAX_BLOCKS:]
+        arc.b2 = [key for key in _keys(b2) if key not in blocks and key not in arc.b1]
+        del arc.b2[:-MAX_BLOCKS]
+        arc.p = p
+
+    def __repr__(self) -> str:
+        return f"ArcContracts{self._args!r}"
