@@ -21,7 +21,7 @@ from kvoffload.transfer import (
 )
 from kvoffload.transfer import pool as pool_module
 from kvoffload.transfer.engine import CopierName
-from kvoffload.transfer.runs import BlockMapping
+from kvoffload.transfer.runs import BlockMapping, CopyRuns, IdArray
 from kvoffload_spec.errors import InvalidArgumentError
 from tests.test_layout import CUDA, DEVICES, DTYPES, KINDS, make_cache, reference_block
 
@@ -223,6 +223,20 @@ def test_random_ids_do_not_merge() -> None:
     assert len(runs) == 2 * 3
 
 
+@given(case=round_trips(), to_cpu=st.booleans())
+def test_small_and_vectorized_planning_agree(case: RoundTrip, to_cpu: bool) -> None:
+    tensors, block_dim = make_cache(case.kind, num_blocks=case.num_blocks, dtype=case.dtype)
+    layout = KVLayout(tensors, block_dim)
+    python = BlockMapping(layout, case.factor, small_job=10**9)
+    vector = BlockMapping(layout, case.factor, small_job=0)
+    device = np.array(case.sources if to_cpu else case.targets, dtype=np.int64)
+    cpu = np.array(case.cpu_ids if to_cpu else case.loaded, dtype=np.int64)
+    small, large = python.runs(device, cpu, to_cpu=to_cpu), vector.runs(device, cpu, to_cpu=to_cpu)
+    for column in ("segment", "device_offset", "cpu_offset", "nbytes"):
+        assert getattr(small, column).tolist() == getattr(large, column).tolist(), column
+    assert small.total_bytes == len(device) * layout.bytes_per_block
+
+
 def test_an_empty_job_has_no_runs() -> None:
     mapping = mapping_for("per_layer", factor=2)
     runs = mapping.runs(ids(), ids(), to_cpu=False)
@@ -287,6 +301,23 @@ def test_a_failure_in_the_copy_itself_fails_only_its_job() -> None:
     results = {r.job_id: r for r in engine.poll()}
     assert not results[bad].ok and isinstance(results[bad].error, MemoryError)
     assert results[good].ok
+
+
+def test_a_run_outside_its_buffers_fails_its_job_instead_of_copying() -> None:
+    engine, _, _ = build_engine("cross_layer", cpu_blocks=2)
+    plan = engine._mapping.runs
+
+    def beyond_the_pool(device: IdArray, cpu: IdArray, *, to_cpu: bool) -> CopyRuns:
+        runs = plan(device, cpu, to_cpu=to_cpu)
+        shifted = runs.cpu_offset + engine.pool.nbytes
+        return CopyRuns(runs.segment, runs.device_offset, shifted, runs.nbytes)
+
+    engine._mapping.runs = beyond_the_pool  # type: ignore[method-assign,assignment]
+    pool_before = engine.pool.tensor.clone()
+    engine.submit_load([1], [0])
+    (result,) = engine.poll()
+    assert not result.ok and "outside its buffer" in str(result.error)
+    assert torch.equal(engine.pool.tensor, pool_before)
 
 
 # -- threads -------------------------------------------------------------------------------

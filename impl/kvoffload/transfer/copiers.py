@@ -20,6 +20,7 @@ import numpy as np
 from kvoffload.transfer.jobs import Direction, FaultHook, Job
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool
+from kvoffload.transfer.runs import CopyRuns
 
 
 class Copier(Protocol):
@@ -31,12 +32,15 @@ class MemmoveCopier:
     """Copies runs with ``memmove`` between raw addresses (host memory only)."""
 
     def __init__(self, layout: KVLayout, pool: CpuBlockPool) -> None:
-        storage_address = [layout.storages[s.tensor_index].data_ptr() for s in layout.segments]
-        self._segment_address = np.array(storage_address, dtype=np.int64)
+        storages = [layout.storages[s.tensor_index] for s in layout.segments]
+        self._segment_address = np.array([s.data_ptr() for s in storages], dtype=np.int64)
+        self._segment_end = np.array([s.numel() for s in storages], dtype=np.int64)
         self._pool_address = pool.flat.data_ptr()
+        self._pool_end = pool.flat.numel()
 
     def copy(self, job: Job, hook: FaultHook | None) -> None:
         runs = job.runs
+        self._require_in_bounds(runs)
         device = (self._segment_address[runs.segment] + runs.device_offset).tolist()
         cpu = (runs.cpu_offset + self._pool_address).tolist()
         src, dst = (device, cpu) if job.direction is Direction.STORE else (cpu, device)
@@ -47,6 +51,18 @@ class MemmoveCopier:
         for index, (to, frm, size) in enumerate(zip(dst, src, sizes, strict=True)):
             hook(job.job_id, index)
             ctypes.memmove(to, frm, size)
+
+    def _require_in_bounds(self, runs: CopyRuns) -> None:
+        """A raw copy outside its buffers would corrupt memory silently: a planning bug
+        must fail the job instead (ids were validated, so this never fires on bad input).
+        """
+        if not len(runs):
+            return
+        device_end = runs.device_offset + runs.nbytes
+        if (device_end > self._segment_end[runs.segment]).any() or int(
+            (runs.cpu_offset + runs.nbytes).max()
+        ) > self._pool_end:
+            raise RuntimeError("a copy run lies outside its buffer: refusing to copy")
 
 
 class TensorCopier:

@@ -24,7 +24,7 @@ def run_job(copier: Copier, job: Job, hook: FaultHook | None) -> JobResult:
     except Exception as error:  # a job's failure is data for its caller, not a crash here
         return JobResult(job.job_id, job.direction, False, 0, time.perf_counter() - start, error)
     seconds = time.perf_counter() - start
-    return JobResult(job.job_id, job.direction, True, job.runs.total_bytes, seconds)
+    return JobResult(job.job_id, job.direction, True, job.nbytes, seconds)
 
 
 class CpuBackend:
@@ -88,5 +88,6 @@ class CpuBackend:
     def _finish(self, result: JobResult) -> None:
         with self._changed:
             self._done[result.job_id] = result
-            self._running.discard(result.job_id)
-            self._changed.notify_all()
+            if self._workers:  # only worker threads leave anyone waiting
+                self._running.discard(result.job_id)
+                self._changed.notify_all()

@@ -132,4 +132,4 @@ class CudaBackend:
         self._spare_events += (flight.start, flight.end)
         if flight.error is not None:
             return JobResult(job.job_id, job.direction, False, 0, seconds, flight.error)
-        return JobResult(job.job_id, job.direction, True, job.runs.total_bytes, seconds)
+        return JobResult(job.job_id, job.direction, True, job.nbytes, seconds)

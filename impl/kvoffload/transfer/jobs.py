@@ -24,6 +24,7 @@ class Job:
     job_id: int
     direction: Direction
     runs: CopyRuns
+    nbytes: int  # what the runs add up to
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ copies of 64 KiB reach ~55%.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -41,11 +42,17 @@ class CopyRuns:
 
 
 class BlockMapping:
-    """Turns (device block ids, CPU block ids) into :class:`CopyRuns` for one layout."""
+    """Turns (device block ids, CPU block ids) into :class:`CopyRuns` for one layout.
 
-    def __init__(self, layout: KVLayout, factor: int) -> None:
+    Jobs of up to ``small_job`` (segment, block) pairs are planned in plain Python, larger
+    ones with numpy: numpy's per-call cost (a few dozen calls, ~20 us) would otherwise be
+    most of the cost of a one-block job. Both give the same runs (a test checks it).
+    """
+
+    def __init__(self, layout: KVLayout, factor: int, small_job: int = 32) -> None:
         segments = layout.segments
         self.factor = factor
+        self.small_job = small_job
         self.cpu_block_bytes = factor * layout.bytes_per_block
         self._base = np.array([s.base for s in segments], dtype=np.int64)
         self._stride = np.array([s.stride for s in segments], dtype=np.int64)
@@ -55,18 +62,48 @@ class BlockMapping:
         # Where block i may continue the run of block i-1 (consecutive ids on both sides):
         # on the device, only in segments whose blocks are packed; in the pool, within a
         # CPU block, and across CPU blocks only when a CPU block is a single segment.
-        self._packed = (self._stride == self._nbytes)[:, None]
+        self._packed = self._stride == self._nbytes
         self._runs_cross_cpu_blocks = len(segments) == 1
+        self._rows = list(
+            zip(
+                self._base.tolist(),
+                self._stride.tolist(),
+                self._nbytes.tolist(),
+                self._cpu_offset.tolist(),
+                self._packed.tolist(),
+                strict=True,
+            )
+        )
 
     def runs(self, device_ids: IdArray, cpu_ids: IdArray, *, to_cpu: bool) -> CopyRuns:
         """The runs of one job; ids are validated already (``len(device_ids) == factor *
-        len(cpu_ids)``, destinations distinct). Each numpy call here works on the whole job,
-        so a job costs a few dozen calls whatever its size.
+        len(cpu_ids)``, destinations distinct).
         """
+        if len(device_ids) * len(self._rows) <= self.small_job or not len(device_ids):
+            return self._small_runs(device_ids.tolist(), cpu_ids.tolist(), to_cpu)
+        return self._vector_runs(device_ids, cpu_ids, to_cpu)
+
+    def _small_runs(self, device_ids: list[int], cpu_ids: list[int], to_cpu: bool) -> CopyRuns:
+        k, block_bytes, cross = self.factor, self.cpu_block_bytes, self._runs_cross_cpu_blocks
+        subs = [c * k + j for c in cpu_ids for j in range(k)]  # CPU sub-block of each pair
+        pairs = sorted(zip(device_ids, subs, strict=True), key=itemgetter(1 if to_cpu else 0))
+        columns: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        segment, device_offset, cpu_offset, nbytes = columns
+        for index, (base, stride, size, offset, packed) in enumerate(self._rows):
+            previous = (-2, -2)
+            for device, sub in pairs:
+                if packed and previous == (device - 1, sub - 1) and (cross or sub % k):
+                    nbytes[-1] += size
+                else:
+                    segment.append(index)
+                    device_offset.append(base + device * stride)
+                    cpu_offset.append(sub // k * block_bytes + offset + sub % k * size)
+                    nbytes.append(size)
+                previous = (device, sub)
+        return CopyRuns(*(np.array(column, dtype=np.int64) for column in columns))
+
+    def _vector_runs(self, device_ids: IdArray, cpu_ids: IdArray, to_cpu: bool) -> CopyRuns:
         k, n = self.factor, len(device_ids)
-        if n == 0:
-            empty = np.empty(0, dtype=np.int64)
-            return CopyRuns(empty, empty, empty, empty)
         cpu_sub = cpu_ids if k == 1 else (cpu_ids[:, None] * k + self._sub_blocks).ravel()
         order = np.argsort(cpu_sub if to_cpu else device_ids, kind="stable")
         device, sub = device_ids[order], cpu_sub[order]
@@ -74,11 +111,11 @@ class BlockMapping:
         follows[1:] = (device[1:] == device[:-1] + 1) & (sub[1:] == sub[:-1] + 1)
         if not self._runs_cross_cpu_blocks:
             follows[1:] &= sub[1:] % k != 0
-        starts = np.flatnonzero(~(follows & self._packed))  # row-major over [segment, block]
+        starts = np.flatnonzero(~(follows & self._packed[:, None]))  # over [segment, block]
         segment, block = starts // n, starts % n
         lengths = np.empty_like(starts)
         lengths[:-1] = starts[1:] - starts[:-1]
-        lengths[-1] = follows.size * len(self._nbytes) - starts[-1]
+        lengths[-1] = n * len(self._rows) - starts[-1]
         first_sub = sub[block]
         return CopyRuns(
             segment=segment,
