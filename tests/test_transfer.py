@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -419,6 +423,33 @@ def test_engine_arguments_are_checked() -> None:
     meta = KVLayout([torch.empty(4, 8, device="meta")])
     with pytest.raises(InvalidArgumentError, match="not supported"):
         TransferEngine(meta, CpuBlockPool(meta.bytes_per_block, 2))
+
+
+# -- the benchmark -------------------------------------------------------------------------
+
+
+def test_the_benchmark_prints_the_agreed_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = Path(__file__).resolve().parent.parent / "bench" / "transfer_bench.py"
+    spec = importlib.util.spec_from_file_location("transfer_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "transfer_bench", bench)  # its dataclasses look it up
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--quick", "--json", "--device", "cpu"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(capsys.readouterr().out)["results"]
+    fields = {"direction", "block_bytes", "batch", "ids", "gbps", "memcpy_gbps"}
+    assert rows and all(set(row) == fields for row in rows)
+    assert {(r["direction"], r["ids"]) for r in rows} == {
+        (d, i) for d in ("store", "load") for i in ("random", "contiguous")
+    }
+    assert {r["block_bytes"] for r in rows} == {2 << 20, 64 << 10}
+    assert all(r["gbps"] > 0 and r["memcpy_gbps"] > 0 for r in rows)
 
 
 # -- the pool ------------------------------------------------------------------------------
