@@ -22,6 +22,16 @@ from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool
 from kvoffload.transfer.runs import CopyRuns
 
+# ``ctypes.memmove`` returns the destination as a new Python int; the same C function
+# declared to return nothing saves ~0.12 us of its ~0.5 us per call, which 64 KiB runs
+# (~3 us each) notice. CFUNCTYPE prototypes release the GIL during the call.
+_memmove_address = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
+if _memmove_address is None:  # a ctypes without its own memmove: calling 0 would crash
+    raise ImportError("ctypes.memmove has no address")
+_memmove = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+    _memmove_address
+)
+
 
 class Copier(Protocol):
     def copy(self, job: Job, hook: FaultHook | None) -> None:
@@ -46,11 +56,11 @@ class MemmoveCopier:
         src, dst = (device, cpu) if job.direction is Direction.STORE else (cpu, device)
         sizes = runs.nbytes.tolist()
         if hook is None:
-            deque(map(ctypes.memmove, dst, src, sizes), maxlen=0)
+            deque(map(_memmove, dst, src, sizes), maxlen=0)
             return
         for index, (to, frm, size) in enumerate(zip(dst, src, sizes, strict=True)):
             hook(job.job_id, index)
-            ctypes.memmove(to, frm, size)
+            _memmove(to, frm, size)
 
     def _require_in_bounds(self, runs: CopyRuns) -> None:
         """A raw copy outside its buffers would corrupt memory silently: a planning bug
