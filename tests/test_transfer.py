@@ -275,6 +275,7 @@ def test_a_job_failing_half_way_is_reported_and_isolated(device: str, threaded: 
     engine.fault_hook = hook
     first = engine.submit_store([0, 1], [0, 1])
     failing = engine.submit_store([2, 3], [2, 3])
+    engine.wait([first])  # directions run concurrently: a load may read only finished stores
     last = engine.submit_load([0, 1], [6, 7])
     engine.wait()
     results = {result.job_id: result for result in engine.poll()}
