@@ -3,11 +3,12 @@
 Cases: 2 MiB cross-layer blocks (one ``[N, 2 MiB]`` tensor) and 64 KiB per-layer blocks
 (8 tensors ``[N, 64 KiB]``; a device block is 8 segments), on CUDA also 256 KiB per-layer
 blocks; stores and loads; batches of 1, 8, 64 and 512 device blocks per job; random or
-contiguous block ids, on both sides. Each sample submits enough jobs to move ~32 MiB (one
-job when it is bigger) and waits for them; the engine's and the baseline's samples
-alternate, and each figure is the fastest of its samples: on a shared machine the slower
-samples measure the neighbours (copy_ alone swings between ~9 and ~20 GB/s on the 2-core
-box), and the fastest of nine catches both sides in the same quiet state.
+contiguous block ids, on both sides. Each sample submits enough jobs to move ~16 MiB (one
+job when it is bigger) and waits for them. The engine's and the baseline's samples
+alternate (which goes first alternates too) and each figure is the median of its 16
+samples: on the shared 2-core machine a neighbour's burst can cut a copy from 20 to 3 GB/s
+for a few milliseconds, and the median of interleaved samples ignores such bursts on
+both sides alike. Read each row's ratio rather than its absolute figures.
 Every sample reads and writes other blocks than the one before (the ids and the baseline's
 offsets rotate through buffers of 256 MiB and more), so neither side runs from the cache.
 
@@ -45,7 +46,7 @@ from kvoffload.transfer.runs import IdArray
 RESULTS = Path(__file__).resolve().parent / "results"
 KiB, MiB = 1 << 10, 1 << 20
 BATCHES = (1, 8, 64, 512)
-SAMPLE_BYTES = 32 * MiB
+SAMPLE_BYTES = 16 * MiB
 TARGETS = {  # (device kind, block bytes at least) -> fraction of the baseline to reach
     ("cpu", 2 * MiB): 0.90,
     ("cpu", 64 * KiB): 0.80,
@@ -110,20 +111,27 @@ class Bench:
         nbytes = batch * self.case.layers * self.case.block_bytes
         jobs = max(1, SAMPLE_BYTES // nbytes)
         id_sets = self._id_sets(batch, ids, jobs * self.reps)
-        engine_samples, copy_samples = [], []
+        engine_seconds: list[float] = []
+        copy_seconds: list[float] = []
         for rep in range(self.reps):
             sample = id_sets[rep * jobs : (rep + 1) * jobs]
-            engine_samples.append(self._time(partial(self._submit, direction, sample)))
             offsets = [(rep * jobs + j) * nbytes for j in range(jobs)]
-            copy_samples.append(self._time(partial(self._copy, direction, offsets, nbytes)))
+            engine = partial(self._submit, direction, sample)
+            copy = partial(self._copy, direction, offsets, nbytes)
+            if rep % 2:
+                engine_seconds.append(self._time(engine))
+                copy_seconds.append(self._time(copy))
+            else:
+                copy_seconds.append(self._time(copy))
+                engine_seconds.append(self._time(engine))
         moved = jobs * nbytes / 1e9
         return Result(
             direction,
             self.case.block_bytes,
             batch,
             ids,
-            moved / min(engine_samples),
-            moved / min(copy_samples),
+            moved / statistics.median(engine_seconds),
+            moved / statistics.median(copy_seconds),
         )
 
     def _id_sets(self, batch: int, ids: IdsKind, count: int) -> list[tuple[IdArray, IdArray]]:
@@ -178,7 +186,7 @@ def cases(device: str) -> list[Case]:
 def run(device: str, quick: bool, copier: CopierName | None) -> Iterator[Result]:
     batches = BATCHES[:3] if quick else BATCHES
     for case in cases(device):
-        reps = 3 if quick else 9
+        reps = 2 if quick else 16
         bench = Bench(case, max(batches), device, reps, copier)
         try:
             for direction in DIRECTIONS:
