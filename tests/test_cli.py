@@ -212,26 +212,47 @@ class IgnoresProtection(LruPolicy):
         return iter(self._evictable)
 
 
+class RefusesToEvictTwo(LruPolicy):
+    """A planted silent bug: a store that needs two victims is refused, room or not."""
+
+    def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
+        return None if need > 1 else super().choose_victims(need, protected)
+
+
 class RenamedLru(LruPolicy):
     """A user's policy that is LRU under another name: legal victims, so it conforms."""
 
 
+@pytest.mark.parametrize(
+    ("policy", "symptom"),
+    [
+        ("IgnoresProtection", "raised PolicyContractError"),
+        ("RefusesToEvictTwo", "prepare_store refused 2 absent keys"),
+    ],
+)
 def test_verify_finds_a_planted_bug_in_a_user_policy(
-    capsys: pytest.CaptureFixture[str],
+    policy: str, symptom: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    policy = f"{__name__}:IgnoresProtection"
-    code, out, _ = run(["verify", "--policy", policy, "--budget", "30", "--json"], capsys)
+    argv = ["verify", "--policy", f"{__name__}:{policy}", "--budget", "30", "--json"]
+    code, out, _ = run(argv, capsys)
     assert code == 1
     report = json.loads(out)
     assert report["passed"] is False
-    assert "chose" in report["counterexample"] and "state.store" in report["counterexample"]
+    assert [(c["name"], c["passed"]) for c in report["checks"]] == [("exploration", False)]
+    counterexample = report["counterexample"]
+    assert "a shortest history" in counterexample and symptom in counterexample
+    assert "1. prepare_store(" in counterexample
 
 
 @pytest.mark.parametrize("policy", ["lru", f"{__name__}:RenamedLru"])
 def test_verify_passes_a_conforming_policy(policy: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(["verify", "--policy", policy, "--budget", "1"], capsys)
+    code, out, _ = run(["verify", "--policy", policy, "--budget", "2", "--json"], capsys)
     assert code == 0
-    assert "conforms to the spec" in out and "random histories" in out
+    report = json.loads(out)
+    assert report["passed"] is True and report["counterexample"] is None
+    exploration, conformance = report["checks"]
+    assert exploration["name"] == "exploration" and "every state within" in exploration["covered"]
+    assert conformance["name"] == "conformance" and "random histories" in conformance["covered"]
 
 
 @pytest.mark.parametrize("budget", [0, -1.0, True, "60"])
