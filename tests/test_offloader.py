@@ -12,6 +12,7 @@ import torch
 
 from kvoffload import Finished, Offloader
 from kvoffload.manager import OffloadManager
+from kvoffload.transfer import EngineClosedError
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, InvalidArgumentError
 from kvoffload_spec.surface import Lookup
@@ -231,6 +232,12 @@ def test_close_completes_what_is_in_flight() -> None:
     with build(threaded=True)[0] as offloader:
         offloader.store(["a"], [0])
     assert offloader.num_in_flight == 0 and offloader.lookup("a") is Lookup.HIT
+    manager = repr(offloader.manager)
+    with pytest.raises(EngineClosedError):
+        offloader.store(["b"], [1])
+    with pytest.raises(EngineClosedError):
+        offloader.load(["a"], [1])
+    assert repr(offloader.manager) == manager  # refused before the manager was asked
 
 
 def test_import_kvoffload_does_not_import_torch() -> None:

@@ -123,6 +123,7 @@ class Offloader:
         or None when the pool cannot make room, and then nothing changed. The device blocks
         must not be overwritten until ``poll`` reports the plan finished.
         """
+        self.engine.require_open()
         keys = check_keys(keys)
         device = self._device_ids(device_block_ids, len(keys))
         plan = self.manager.prepare_store(keys)
@@ -144,6 +145,7 @@ class Offloader:
         the job finishes. Raises ``BlockNotFoundError``/``BlockPendingError`` when a key is
         not ready, and then nothing changed.
         """
+        self.engine.require_open()
         keys = check_keys(keys)
         device = self._device_ids(device_block_ids, len(keys))
         require_distinct("device_block_ids", device)

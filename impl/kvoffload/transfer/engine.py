@@ -148,9 +148,13 @@ class TransferEngine:
         if isinstance(self._backend, CudaBackend):
             import torch
 
-            self._backend.stream_wait(job, stream or torch.cuda.current_stream())
+            self._backend.stream_wait(job, stream or torch.cuda.current_stream(self.layout.device))
         else:
             self._backend.wait([job])
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def fault_hook(self) -> FaultHook | None:
@@ -159,6 +163,10 @@ class TransferEngine:
     @fault_hook.setter
     def fault_hook(self, hook: FaultHook | None) -> None:
         self._backend.hook = hook
+
+    def require_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this transfer engine is closed")
 
     def close(self) -> None:
         """Wait for every job, stop the workers and release the pool (idempotent)."""
@@ -177,8 +185,7 @@ class TransferEngine:
     def _pairs(
         self, device_block_ids: BlockIds, cpu_block_ids: BlockIds
     ) -> tuple[IdArray, IdArray]:
-        if self._closed:
-            raise EngineClosedError("this transfer engine is closed")
+        self.require_open()
         device = as_block_ids("device_block_ids", device_block_ids, self.layout.num_blocks)
         cpu = as_block_ids("cpu_block_ids", cpu_block_ids, self.pool.num_blocks)
         if len(device) != self.block_size_factor * len(cpu):

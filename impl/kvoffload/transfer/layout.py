@@ -38,6 +38,7 @@ class KVLayout:
     ``storages[i]`` is a flat ``uint8`` view of the whole storage of ``tensors[i]``: copies
     address byte ranges in it, so any dtype and any strides of the outer dimensions work.
     The dimensions after ``block_dim`` must be contiguous (a block's bytes in one piece).
+    The tensors must not be resized while a layout uses them: copies address their memory.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], block_dim: int | Sequence[int] = 0):
