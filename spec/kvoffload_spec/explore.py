@@ -1,0 +1,784 @@
+"""Exhaustive exploration: every state the manager reaches in a few calls, each one checked.
+
+Breadth first from a fresh system, :func:`explore` applies every operation with every
+argument from a small alphabet: ``prepare_store``, ``prepare_load`` and ``touch`` of every
+ordering of every subset of the keys (and of the empty list, the first key twice, and a
+list with an unhashable key), ``reset_cache``, and the completion of every plan still held,
+successful or failed, stale ones after a reset included; each completion is then tried a
+second time. States are canonicalised (plan ids and generations renamed, since only
+"current or stale" of a plan matters), so each is expanded once. After every call it
+checks, by families (see :data:`CHECKS`):
+
+``invariants``
+    the system's own ``check_invariants()``.
+``model``
+    what the plans handed out so far predict, whatever the eviction policy: each key's
+    lookup, the free and evictable counts; a refused ``prepare_store`` only when the
+    candidates cannot fit in the free blocks plus the blocks that are ready, unpinned and
+    outside the call; a store plan's candidates in call order, its victims evictable and
+    not in the call, its slots the lowest free ones; a load of a key that is not ready
+    refused with the right error, else planned on the key's own slot.
+``events``
+    the events emitted are those of the call.
+``unchanged``
+    a call that raised, a refused store (its offer tracker aside) and a stale completion
+    change nothing; a second completion of a plan raises ``PlanAlreadyCompletedError``.
+``data``
+    a shadow of the CPU pool records whose bytes each slot holds (written when a store job
+    completes; a reset fences the jobs issued before it); every load reads its own key's
+    bytes, at the start and at the end of the read, and no store writes a slot being read.
+
+An argument list with an unhashable key must raise ``InvalidArgumentError``, always. The
+first violation stops the search; breadth first makes its counterexample a shortest one.
+
+>>> from kvoffload_spec import OffloadModel
+>>> report = explore(lambda: OffloadModel(1, enable_events=True), keys=("a",), depth=3)
+>>> report.ok, report.complete, report.states
+(True, True, 39)
+
+From the command line: ``python -m kvoffload_spec.explore --policy arc --blocks 2 --keys 3
+--depth 4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import itertools
+import sys
+import time
+import traceback
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Generic, NamedTuple, Protocol, TypeVar, cast
+
+from kvoffload_spec.errors import (
+    BlockNotFoundError,
+    BlockNotReadyError,
+    BlockPendingError,
+    InvalidArgumentError,
+    PlanAlreadyCompletedError,
+)
+from kvoffload_spec.model import OffloadModel
+from kvoffload_spec.policies import POLICY_NAMES, ArcOrder
+from kvoffload_spec.surface import (
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    Key,
+    LoadPlan,
+    Lookup,
+    RemovalReason,
+    StorePlan,
+)
+from kvoffload_spec.validation import check_count, check_keys
+
+CHECKS = frozenset({"invariants", "model", "events", "unchanged", "data"})
+"""The families of checks (see the module's docstring); :func:`explore` runs them all."""
+
+
+class System(Protocol):
+    """What the explorer drives: the manager's surface. It must be deep-copyable."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_evictable_blocks(self) -> int: ...
+    def lookup(self, key: Key) -> Lookup: ...
+    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None: ...
+    def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan: ...
+    def complete_load(self, plan: LoadPlan) -> None: ...
+    def touch(self, keys: Sequence[Key]) -> None: ...
+    def reset_cache(self) -> None: ...
+    def take_events(self) -> list[Event]: ...
+    def check_invariants(self) -> None: ...
+
+
+S = TypeVar("S", bound=System)
+T = TypeVar("T")
+
+
+class Fingerprint(NamedTuple):
+    """A system's state, canonical: equal fingerprints, equal futures.
+
+    ``cache`` is what no failed call may change; ``tracker`` what a refused
+    ``prepare_store`` may (the offers it records).
+    """
+
+    cache: Hashable
+    tracker: Hashable = ()
+
+
+FingerprintFn = Callable[[S, Mapping[int, int]], Fingerprint]
+"""``fingerprint(system, plan_names)``: ``plan_names`` renames the ids of the plans the
+explorer holds to small numbers; a fingerprint must name plans only through it."""
+
+
+def model_fingerprint(model: OffloadModel, plan_names: Mapping[int, int]) -> Fingerprint:
+    """The fingerprint of the reference model: blocks, free slots, counter, order, tracker.
+
+    Plan ids and generations are left out (a pending block names its plan by its renamed
+    number), and so are the open plans: the explorer holds them, and its second
+    completions show whether the model agrees.
+    """
+    state = model.state
+    blocks = sorted(
+        (repr(key), block.slot, block.refs, _renamed(block.store_plan, plan_names))
+        for key, block in state.blocks.items()
+    )
+    order = state.order
+    if isinstance(order, ArcOrder):
+        lists: tuple[object, ...] = (
+            tuple(order.t1),
+            tuple(order.t2),
+            tuple(order.b1),
+            tuple(order.b2),
+            order.p,
+        )
+    else:
+        lists = (tuple(order.order),)
+    cache = (tuple(blocks), tuple(state.free_slots), state.num_evictable, lists)
+    return Fingerprint(cache, tuple(state.offers.items()))
+
+
+def _model_fingerprint_only(system: object, plan_names: Mapping[int, int]) -> Fingerprint:
+    if not isinstance(system, OffloadModel):
+        raise InvalidArgumentError(
+            f"explore needs a fingerprint for {type(system).__name__}: the default is "
+            "OffloadModel's"
+        )
+    return model_fingerprint(system, plan_names)
+
+
+def _renamed(plan_id: int | None, plan_names: Mapping[int, int]) -> int | None:
+    return None if plan_id is None else plan_names.get(plan_id, -1)
+
+
+def clone_model(model: OffloadModel) -> OffloadModel:
+    """A deep copy of the reference model, four times faster than ``copy.deepcopy``: plans,
+    events and keys are immutable, so the copy shares them and copies only the containers
+    and blocks (and deep-copies any field it does not know)."""
+    state = model.state
+    twin = copy.copy(state)
+    for spec_field in dataclasses.fields(state):
+        value = getattr(state, spec_field.name)
+        if spec_field.name == "blocks":
+            value = {key: copy.copy(block) for key, block in value.items()}
+        elif spec_field.name == "order":
+            value = _with_list_copies(value)
+        elif isinstance(value, (list, dict)):
+            value = type(value)(value)
+        elif not isinstance(value, (int, float, str, type(None))):
+            value = copy.deepcopy(value)
+        setattr(twin, spec_field.name, value)
+    clone = copy.copy(model)
+    clone.state = twin
+    return clone
+
+
+def _with_list_copies(order: T) -> T:
+    twin = copy.copy(order)
+    for order_field in dataclasses.fields(order):  # type: ignore[arg-type]
+        value = getattr(order, order_field.name)
+        if isinstance(value, list):
+            setattr(twin, order_field.name, list(value))
+    return twin
+
+
+# -- operations ----------------------------------------------------------------------------
+
+PREPARE_STORE, PREPARE_LOAD, TOUCH = "prepare_store", "prepare_load", "touch"
+COMPLETE_STORE, COMPLETE_LOAD, RESET = "complete_store", "complete_load", "reset_cache"
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One call. ``plan`` is the index of a held plan (completions only); ``malformed``
+    appends an unhashable key to ``keys``."""
+
+    name: str
+    keys: tuple[Key, ...] = ()
+    plan: int = -1
+    success: bool = True
+    malformed: bool = False
+
+    def arguments(self) -> list[Key]:
+        return [*self.keys, []] if self.malformed else list(self.keys)  # type: ignore[list-item]
+
+
+def key_sequences(keys: Sequence[Key]) -> list[tuple[Key, ...]]:
+    """The key lists passed to ``prepare_*`` and ``touch``: the empty list, every ordering
+    of every subset of ``keys``, and the first key twice."""
+    sequences: list[tuple[Key, ...]] = [()]
+    for size in range(1, len(keys) + 1):
+        sequences.extend(itertools.permutations(keys, size))
+    return [*sequences, (keys[0], keys[0])]
+
+
+def _keyed_operations(keys: Sequence[Key]) -> list[Operation]:
+    names = (PREPARE_STORE, PREPARE_LOAD, TOUCH)
+    calls = [Operation(name, sequence) for name in names for sequence in key_sequences(keys)]
+    malformed = [Operation(name, (keys[0],), malformed=True) for name in names]
+    return [*calls, Operation(RESET), *malformed]
+
+
+# -- what the explorer knows besides the system ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A plan handed out and not completed yet; ``current`` until the next reset."""
+
+    plan: StorePlan | LoadPlan
+    current: bool
+
+    def content(self) -> tuple[object, ...]:
+        plan = self.plan
+        if isinstance(plan, StorePlan):
+            return ("store", self.current, repr(plan.keys), plan.block_ids, repr(plan.evicted_keys))
+        return ("load", self.current, repr(plan.keys), plan.block_ids)
+
+
+@dataclass
+class _Node(Generic[S]):
+    """A system and the explorer's account of it: the plans it holds, where each resident
+    key is and whether it is pending, and whose bytes each slot holds (None: garbage)."""
+
+    system: S
+    held: tuple[_Held, ...]
+    resident: dict[Key, tuple[int, bool]]  # key -> (slot, pending)
+    memory: tuple[Key | None, ...]
+    fingerprint: Fingerprint = field(default=Fingerprint(()))
+
+    def plan_names(self) -> dict[int, int]:
+        return {held.plan.plan_id: n for n, held in enumerate(self.held)}
+
+    def reads(self) -> list[LoadPlan]:
+        """The loads in flight: their blocks are pinned, their slots being read."""
+        return [h.plan for h in self.held if h.current and isinstance(h.plan, LoadPlan)]
+
+    def lookup(self, key: Key) -> Lookup:
+        found = self.resident.get(key)
+        if found is None:
+            return Lookup.MISS
+        return Lookup.PENDING if found[1] else Lookup.HIT
+
+    def free_slots(self) -> list[int]:
+        return sorted(set(range(len(self.memory))) - {slot for slot, _ in self.resident.values()})
+
+    def evictable(self) -> set[Key]:
+        pinned = {key for plan in self.reads() for key in plan.keys}
+        return {k for k, (_, pending) in self.resident.items() if not pending} - pinned
+
+    def key(self, with_memory: bool) -> Hashable:
+        """The node's identity in the search: everything that decides its future."""
+        resident = sorted((repr(k), slot, pending) for k, (slot, pending) in self.resident.items())
+        held = tuple(held.content() for held in self.held)
+        memory = tuple(map(repr, self.memory)) if with_memory else ()
+        return (self.fingerprint, held, tuple(resident), memory)
+
+
+class Violation(Exception):
+    """A check failed; the message says which, in words."""
+
+
+# -- the report -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Counterexample:
+    """A shortest sequence of calls from a fresh system to a failed check."""
+
+    steps: tuple[str, ...]
+    message: str
+
+    def __str__(self) -> str:
+        lines = [f"  {n}. {step}" for n, step in enumerate(self.steps, 1)]
+        return "\n".join([*lines, f"  -> {self.message}"])
+
+
+@dataclass(frozen=True)
+class Report:
+    """What an exploration covered and the first violation it found, if any."""
+
+    states: int
+    transitions: int
+    seconds: float
+    depth: int  # the deepest level whose states were all expanded
+    complete: bool  # every state within the depth bound was expanded
+    violation: Counterexample | None
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+    def summary(self) -> str:
+        verdict = "ok" if self.ok else "VIOLATION"
+        cover = "all states" if self.complete else f"complete to depth {self.depth}"
+        head = (
+            f"{verdict}: {self.states} states, {self.transitions} transitions, "
+            f"{self.seconds:.1f} s ({cover})"
+        )
+        if self.violation is None:
+            return head
+        count = len(self.violation.steps)
+        return f"{head}\nshortest counterexample ({count} calls):\n{self.violation}"
+
+
+# -- one call, checked ----------------------------------------------------------------------
+
+
+class _Checker(Generic[S]):
+    def __init__(
+        self,
+        fingerprint: FingerprintFn[S],
+        clone: Callable[[S], S],
+        keys: Sequence[Key],
+        store_threshold: int,
+        checks: frozenset[str],
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.clone = clone
+        self.keys = list(keys)
+        self.store_threshold = store_threshold
+        self.checks = checks
+
+    def root(self, system: S) -> _Node[S]:
+        node = _Node(system, (), {}, (None,) * system.num_blocks)
+        self._observe(node, [])
+        return node
+
+    def operations(self, node: _Node[S], keyed: list[Operation]) -> list[Operation]:
+        completions = []
+        for n, held in enumerate(node.held):
+            if isinstance(held.plan, StorePlan):
+                completions += [Operation(COMPLETE_STORE, plan=n, success=b) for b in (True, False)]
+            else:
+                completions.append(Operation(COMPLETE_LOAD, plan=n))
+        return keyed + completions
+
+    def apply(self, node: _Node[S], op: Operation) -> _Node[S] | None:
+        """The node after ``op``, or None when it raised as it had to. Raises Violation."""
+        allowed, required = self._error_due(node, op)
+        # A call that must fail runs on the node's own system, which it must leave as it was.
+        in_place = required and "unchanged" in self.checks
+        system = node.system if in_place else self.clone(node.system)
+        try:
+            result = self._call(system, node, op)
+        except Exception as error:  # any exception is an outcome to judge
+            if allowed is None or not isinstance(error, allowed):
+                raise Violation(f"raised {_described(error)}") from error
+            self._unchanged(node, system, "a call that raised")
+            return None
+        if required and allowed is not None:
+            raise Violation(f"returned {result!r} where {allowed.__name__} was due")
+        child, events = self._advance(node, system, op, result)
+        if op.name == PREPARE_STORE and result is None:
+            self._unchanged(node, system, "a refused prepare_store", tracker=False)
+        if op.plan >= 0 and not node.held[op.plan].current:
+            self._unchanged(node, system, "a stale completion")
+        self._observe(child, events)
+        return child
+
+    def complete_again(self, node: _Node[S], op: Operation, plan: StorePlan | LoadPlan) -> None:
+        """Completing a plan a second time must raise and change nothing."""
+        if "unchanged" not in self.checks:
+            return
+        try:
+            if isinstance(plan, StorePlan):
+                node.system.complete_store(plan, op.success)
+            else:
+                node.system.complete_load(plan)
+        except PlanAlreadyCompletedError:
+            self._unchanged(node, node.system, "a second completion")
+            return
+        except Exception as error:
+            raise Violation(
+                f"a second completion raised {_described(error)}, not PlanAlreadyCompletedError"
+            ) from error
+        raise Violation("a second completion of the same plan was accepted")
+
+    # -- the call and the explorer's account of it ---------------------------------------------
+
+    def _error_due(self, node: _Node[S], op: Operation) -> tuple[type[Exception] | None, bool]:
+        """The error ``op`` may raise, and whether it must."""
+        if op.malformed:
+            return InvalidArgumentError, True
+        if op.name != PREPARE_LOAD:
+            return None, False
+        if "model" not in self.checks:
+            return BlockNotReadyError, False
+        for key in op.keys:
+            found = node.lookup(key)
+            if found is not Lookup.HIT:
+                return (BlockNotFoundError if found is Lookup.MISS else BlockPendingError), True
+        return None, False
+
+    def _call(self, system: S, node: _Node[S], op: Operation) -> StorePlan | LoadPlan | None:
+        if op.name == PREPARE_STORE:
+            return system.prepare_store(op.arguments())
+        if op.name == PREPARE_LOAD:
+            return system.prepare_load(op.arguments())
+        if op.name == TOUCH:
+            system.touch(op.arguments())
+        elif op.name == RESET:
+            system.reset_cache()
+        elif op.name == COMPLETE_STORE:
+            system.complete_store(cast(StorePlan, node.held[op.plan].plan), op.success)
+        else:
+            system.complete_load(cast(LoadPlan, node.held[op.plan].plan))
+        return None
+
+    def _advance(
+        self, node: _Node[S], system: S, op: Operation, result: StorePlan | LoadPlan | None
+    ) -> tuple[_Node[S], list[Event]]:
+        """The explorer's account of the call, checking the plan it returned, and the events
+        due. The account follows the plans; :meth:`_observe` settles it with the lookups."""
+        held = list(node.held)
+        resident = dict(node.resident)
+        memory = list(node.memory)
+        events: list[Event] = []
+        if op.name == PREPARE_STORE and result is not None:
+            plan = self._check_store_plan(node, op.keys, result)
+            read = {slot for load in node.reads() for slot in load.block_ids}
+            for key in plan.evicted_keys:
+                resident.pop(key, None)
+            for key, slot in zip(plan.keys, plan.block_ids, strict=True):
+                if "data" in self.checks and slot in read:
+                    raise Violation(
+                        f"data: the store of {key!r} overwrites slot {slot}, being read"
+                    )
+                resident[key] = (slot, True)
+                memory[slot] = None  # being written: garbage until the job completes
+            held.append(_Held(plan, True))
+            events = _removed(plan.evicted_keys, RemovalReason.EVICTED)
+        elif op.name == PREPARE_STORE:
+            self._check_refusal(node, op.keys)
+        elif op.name == PREPARE_LOAD:
+            load = self._check_load_plan(node, op.keys, result)
+            self._check_reads(node, load, "starts")
+            held.append(_Held(load, True))
+        elif op.name == RESET:
+            ready = sorted((slot, k) for k, (slot, pending) in resident.items() if not pending)
+            events = _removed(tuple(k for _, k in ready), RemovalReason.RESET)
+            resident.clear()
+            held = [_Held(h.plan, False) for h in held]
+        elif op.plan >= 0:
+            done = held.pop(op.plan)
+            if done.current and isinstance(done.plan, StorePlan):
+                for key, slot in zip(done.plan.keys, done.plan.block_ids, strict=True):
+                    if op.success:
+                        resident[key] = (slot, False)
+                        memory[slot] = key
+                    else:
+                        resident.pop(key, None)
+                if not op.success:
+                    events = _removed(done.plan.keys, RemovalReason.STORE_FAILED)
+                elif done.plan.keys:
+                    events = [BlocksStored(done.plan.keys)]
+            elif done.current:
+                self._check_reads(node, cast(LoadPlan, done.plan), "ends")
+        held.sort(key=_Held.content)
+        return _Node(system, tuple(held), resident, tuple(memory)), events
+
+    def _check_store_plan(self, node: _Node[S], keys: tuple[Key, ...], plan: object) -> StorePlan:
+        if not isinstance(plan, StorePlan):
+            raise Violation(f"prepare_store returned {plan!r}, not a StorePlan")
+        n = len(node.memory)
+        if len(plan.block_ids) != len(plan.keys) or not all(0 <= s < n for s in plan.block_ids):
+            raise Violation(f"store plan slots {plan.block_ids} do not fit {plan.keys}")
+        if "model" not in self.checks:
+            return plan
+        absent = [k for k in dict.fromkeys(keys) if k not in node.resident]
+        offered = iter(absent)
+        if len(set(plan.keys)) != len(plan.keys) or not all(k in offered for k in plan.keys):
+            raise Violation(f"plan keys {plan.keys} are not absent keys of the call in order")
+        if self.store_threshold == 1 and list(plan.keys) != absent:
+            raise Violation(f"plan keys {plan.keys} are not the absent keys {tuple(absent)}")
+        evictable = node.evictable() - set(keys)
+        wrong = [k for k in plan.evicted_keys if k not in evictable]
+        if wrong or len(set(plan.evicted_keys)) != len(plan.evicted_keys):
+            raise Violation(f"evicted {plan.evicted_keys}: {wrong} not evictable outside the call")
+        free = node.free_slots()
+        need = max(0, len(plan.keys) - len(free))
+        if len(plan.evicted_keys) != need:
+            raise Violation(f"evicted {len(plan.evicted_keys)} blocks where {need} were needed")
+        freed = sorted(free + [node.resident[k][0] for k in plan.evicted_keys])
+        if plan.block_ids != tuple(freed[: len(plan.keys)]):
+            raise Violation(f"slots {plan.block_ids} are not the lowest free ones {tuple(freed)}")
+        return plan
+
+    def _check_refusal(self, node: _Node[S], keys: tuple[Key, ...]) -> None:
+        if "model" not in self.checks:
+            return
+        absent = [k for k in dict.fromkeys(keys) if k not in node.resident]
+        free = len(node.free_slots())
+        evictable = len(node.evictable() - set(keys))
+        if len(absent) > free + evictable:
+            return
+        raise Violation(
+            f"prepare_store refused {len(absent)} absent keys with {free} free blocks and "
+            f"{evictable} evictable outside the call"
+        )
+
+    def _check_load_plan(self, node: _Node[S], keys: tuple[Key, ...], plan: object) -> LoadPlan:
+        if not isinstance(plan, LoadPlan):
+            raise Violation(f"prepare_load returned {plan!r}, not a LoadPlan")
+        n = len(node.memory)
+        if len(plan.block_ids) != len(plan.keys) or not all(0 <= s < n for s in plan.block_ids):
+            raise Violation(f"load plan slots {plan.block_ids} do not fit {plan.keys}")
+        if "model" in self.checks:
+            slots = tuple(node.resident[key][0] for key in keys)
+            if plan.keys != keys or plan.block_ids != slots:
+                raise Violation(f"load plan {plan.keys} @ {plan.block_ids} is not {keys} @ {slots}")
+        return plan
+
+    def _check_reads(self, node: _Node[S], plan: LoadPlan, moment: str) -> None:
+        if "data" not in self.checks:
+            return
+        for key, slot in zip(plan.keys, plan.block_ids, strict=True):
+            holds = node.memory[slot]
+            if holds != key:
+                what = "garbage" if holds is None else f"the bytes of {holds!r}"
+                raise Violation(f"data: a load of {key!r} {moment} reading slot {slot}: {what}")
+
+    # -- what must hold after every call -------------------------------------------------------
+
+    def _observe(self, node: _Node[S], events_due: list[Event]) -> None:
+        """Checks the system after a call, settles the account with its lookups and takes
+        its fingerprint."""
+        system = node.system
+        if "invariants" in self.checks:
+            try:
+                system.check_invariants()
+            except Exception as error:
+                raise Violation(f"invariant broken: {error}") from error
+        for key in self.keys:
+            found, due = system.lookup(key), node.lookup(key)
+            if "model" in self.checks and found is not due:
+                raise Violation(f"lookup({key!r}) is {found.name}, the plans say {due.name}")
+            if found is Lookup.MISS:
+                node.resident.pop(key, None)
+            elif found is not due:
+                node.resident[key] = (
+                    node.resident.get(key, (-1, True))[0],
+                    found is Lookup.PENDING,
+                )
+        if "model" in self.checks:
+            counts = (system.num_free_blocks, system.num_evictable_blocks)
+            due_counts = (len(node.free_slots()), len(node.evictable()))
+            if counts != due_counts:
+                raise Violation(f"free/evictable blocks are {counts}, the plans say {due_counts}")
+        events = system.take_events()
+        if "events" in self.checks and events != events_due:
+            raise Violation(f"events {events} where {events_due} were due")
+        node.fingerprint = self.fingerprint(system, node.plan_names())
+
+    def _unchanged(self, node: _Node[S], system: S, what: str, *, tracker: bool = True) -> None:
+        if "unchanged" not in self.checks:
+            return
+        after = self.fingerprint(system, node.plan_names())
+        if after.cache != node.fingerprint.cache or (tracker and after != node.fingerprint):
+            raise Violation(f"{what} changed the state")
+        if system.take_events():
+            raise Violation(f"{what} emitted events")
+
+
+def _described(error: BaseException) -> str:
+    """The error and where it was raised: a bare ``assert`` has no message of its own."""
+    where = traceback.extract_tb(error.__traceback__)[-1]
+    place = f"{Path(where.filename).name}:{where.lineno}"
+    return f"{type(error).__name__}({error}) at {place}: {where.line}"
+
+
+def _removed(keys: tuple[Key, ...], reason: RemovalReason) -> list[Event]:
+    return [BlocksRemoved(keys, reason)] if keys else []
+
+
+# -- the search -----------------------------------------------------------------------------
+
+
+def explore(
+    make_system: Callable[[], S],
+    *,
+    keys: Sequence[Key],
+    depth: int,
+    fingerprint: FingerprintFn[S] | None = None,
+    clone: Callable[[S], S] | None = None,
+    store_threshold: int = 1,
+    checks: Collection[str] = CHECKS,
+    max_seconds: float | None = None,
+) -> Report:
+    """Explore every state ``make_system()`` reaches in at most ``depth`` calls on ``keys``.
+
+    ``fingerprint`` and ``clone`` default to :func:`model_fingerprint` and
+    :func:`clone_model`, for :class:`OffloadModel`; give a fingerprint for any other
+    system (``clone`` then defaults to ``copy.deepcopy``). ``store_threshold`` is the
+    system's: with 1, a store's candidates are checked exactly. ``checks`` picks families
+    from :data:`CHECKS`: leave out ``"events"`` for a system built without events.
+    ``max_seconds`` stops the search early; the report then says how deep it was complete.
+    Raises :class:`InvalidArgumentError` on a bad argument, before exploring.
+    """
+    check_count("depth", depth, minimum=0)
+    check_count("store_threshold", store_threshold)
+    alphabet = list(check_keys(keys))
+    if not alphabet or len(set(alphabet)) != len(alphabet):
+        raise InvalidArgumentError(f"keys must be distinct and at least one, got {keys!r}")
+    unknown = set(checks) - CHECKS
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown checks {sorted(unknown)}: choose from {sorted(CHECKS)}"
+        )
+    if max_seconds is not None and not max_seconds > 0:
+        raise InvalidArgumentError(f"max_seconds must be positive, got {max_seconds!r}")
+    if fingerprint is None:
+        fingerprint = cast(FingerprintFn[S], _model_fingerprint_only)
+        clone = clone or cast(Callable[[S], S], clone_model)
+    checker = _Checker(
+        fingerprint, clone or copy.deepcopy, alphabet, store_threshold, frozenset(checks)
+    )
+    return _Search(checker, make_system, _keyed_operations(alphabet)).run(depth, max_seconds)
+
+
+class _Search(Generic[S]):
+    def __init__(
+        self, checker: _Checker[S], make_system: Callable[[], S], keyed: list[Operation]
+    ) -> None:
+        self.checker = checker
+        self.make_system = make_system
+        self.keyed = keyed
+        self.with_memory = "data" in checker.checks
+        self.parents: dict[Hashable, tuple[Hashable, Operation] | None] = {}
+        self.transitions = 0
+
+    def run(self, depth: int, max_seconds: float | None) -> Report:
+        start = time.perf_counter()
+        deadline = None if max_seconds is None else start + max_seconds
+
+        def report(level: int, complete: bool, violation: Counterexample | None) -> Report:
+            seconds = time.perf_counter() - start
+            return Report(len(self.parents), self.transitions, seconds, level, complete, violation)
+
+        try:
+            root = self.checker.root(self.make_system())
+        except Violation as violation:
+            return report(0, False, Counterexample((), f"a fresh system: {violation}"))
+        self.parents[root.key(self.with_memory)] = None
+        frontier = [root]
+        for level in range(depth):
+            following: list[_Node[S]] = []
+            for node in frontier:
+                if deadline is not None and time.perf_counter() > deadline:
+                    return report(level, False, None)
+                found = self._expand(node, following)
+                if found is not None:
+                    return report(level, False, found)
+            frontier = following
+        return report(depth, True, None)
+
+    def _expand(self, node: _Node[S], following: list[_Node[S]]) -> Counterexample | None:
+        here = node.key(self.with_memory)
+        for op in self.checker.operations(node, self.keyed):
+            self.transitions += 1
+            try:
+                child = self.checker.apply(node, op)
+            except Violation as violation:
+                return self._counterexample(here, op, str(violation))
+            if child is None:
+                continue
+            if op.plan >= 0:
+                self.transitions += 1
+                try:
+                    self.checker.complete_again(child, op, node.held[op.plan].plan)
+                except Violation as violation:
+                    return self._counterexample(here, op, str(violation), again=True)
+            key = child.key(self.with_memory)
+            if key not in self.parents:
+                self.parents[key] = (here, op)
+                following.append(child)
+        return None
+
+    def _counterexample(
+        self, last: Hashable, op: Operation, message: str, *, again: bool = False
+    ) -> Counterexample:
+        """Replays the path to ``last``, then ``op``, naming plans in the order issued."""
+        path = [op]
+        entry = self.parents[last]
+        while entry is not None:
+            last, step = entry
+            path.append(step)
+            entry = self.parents[last]
+        path.reverse()
+        node = self.checker.root(self.make_system())
+        names: dict[int, int] = {}
+        steps = []
+        for step in path[:-1]:
+            steps.append(_describe(step, node, names))
+            child = self.checker.apply(node, step)
+            assert child is not None, "the search records only calls that made a new state"
+            for held in child.held:
+                names.setdefault(held.plan.plan_id, len(names) + 1)
+            node = child
+        steps.append(_describe(op, node, names))
+        if again:
+            steps.append(f"{steps[-1]} again")
+        return Counterexample(tuple(steps), message)
+
+
+def _describe(op: Operation, node: _Node[S], names: Mapping[int, int]) -> str:
+    if op.plan >= 0:
+        held = node.held[op.plan]
+        plan = f"plan {names.get(held.plan.plan_id, '?')}{'' if held.current else ' (stale)'}"
+        if op.name == COMPLETE_STORE:
+            return f"complete_store({plan}, success={op.success})"
+        return f"complete_load({plan})"
+    if op.name == RESET:
+        return "reset_cache()"
+    return f"{op.name}({op.arguments()!r})"
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvoffload_spec.explore``: explore the reference model, print the report."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvoffload_spec.explore",
+        description="Explore every state of the reference model within a number of calls.",
+    )
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="lru")
+    parser.add_argument("--blocks", type=int, default=2, help="CPU blocks (default 2)")
+    parser.add_argument("--keys", type=int, default=3, help="distinct keys, 1-26 (default 3)")
+    parser.add_argument("--depth", type=int, default=4, help="calls per path (default 4)")
+    parser.add_argument("--threshold", type=int, default=1, help="store_threshold (default 1)")
+    parser.add_argument("--max-seconds", type=float, default=None, help="time budget")
+    args = parser.parse_args(argv)
+    if not 1 <= args.keys <= 26 or args.blocks < 1 or args.depth < 0 or args.threshold < 1:
+        parser.error("need 1 <= --keys <= 26, --blocks >= 1, --depth >= 0, --threshold >= 1")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        parser.error("--max-seconds must be positive")
+    keys = tuple("abcdefghijklmnopqrstuvwxyz"[: args.keys])
+    print(
+        f"exploring {args.policy} with {args.blocks} blocks, keys {', '.join(keys)}, "
+        f"depth {args.depth}, store_threshold {args.threshold}"
+    )
+    report = explore(
+        lambda: OffloadModel(
+            args.blocks, args.policy, store_threshold=args.threshold, enable_events=True
+        ),
+        keys=keys,
+        depth=args.depth,
+        store_threshold=args.threshold,
+        max_seconds=args.max_seconds,
+    )
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
