@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import kvoffload_spec.contracts
 import kvoffload_spec.state
@@ -61,17 +62,27 @@ class Variant:
         exec(code, module.__dict__)
         return module
 
+    @functools.cached_property
+    def model_class(self) -> type[OffloadModel]:
+        """:class:`OffloadModel` with this variant's transitions."""
+        broken: type[SpecState] = self.module.SpecState
+
+        class BrokenModel(OffloadModel):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                fields = dataclasses.fields(SpecState)
+                self.state = broken(**{f.name: getattr(self.state, f.name) for f in fields})
+
+        BrokenModel.__name__ = BrokenModel.__qualname__ = f"BrokenModel_{self.name}"
+        return BrokenModel
+
     def model(
         self, num_blocks: int, policy: str = "lru", *, store_threshold: int = 1
     ) -> OffloadModel:
-        """A reference model, with events, whose transitions are this variant's."""
-        model = OffloadModel(
+        """A broken reference model, with events."""
+        return self.model_class(
             num_blocks, policy, store_threshold=store_threshold, enable_events=True
         )
-        broken: type[SpecState] = self.module.SpecState
-        fields = {f.name: getattr(model.state, f.name) for f in dataclasses.fields(SpecState)}
-        model.state = broken(**fields)
-        return model
 
     def write_contracts(self, directory: Path) -> str:
         """Write this variant and a ``contracts.py`` that uses it into ``directory``; return
