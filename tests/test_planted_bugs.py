@@ -1,0 +1,101 @@
+"""The explorer finds every planted bug, with a short counterexample, and each family of
+its checks catches at least one bug on its own: none of them is a check that cannot fail.
+
+The variants (tests/spec_variants.py) have their ``assert`` contracts stripped, so what
+catches a bug here is the explorer, as it would be in a manager without such asserts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload_spec.explore import CHECKS, Report, explore
+from tests.spec_variants import VARIANTS, Variant
+
+BY_NAME = {variant.name: variant for variant in VARIANTS}
+SHORT = 6  # calls: every planted bug shows within this many
+
+
+def run(
+    variant: Variant, policy: str, *, blocks: int, keys: str, depth: int = SHORT, **options: object
+) -> Report:
+    return explore(
+        lambda: variant.model(blocks, policy),
+        keys=tuple(keys),
+        depth=depth,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_every_planted_bug_is_found_with_a_shortest_counterexample(
+    variant: Variant, policy: str
+) -> None:
+    report = run(variant, policy, blocks=1, keys="ab")
+    assert report.violation is not None, f"{variant.bug}: not found"
+    assert len(report.violation.steps) <= SHORT
+    # Breadth first: every state fewer calls away passes every check.
+    assert run(variant, policy, blocks=1, keys="ab", depth=report.depth).ok
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize(
+    "variant",
+    [v for v in VARIANTS if v.name != "stale_load_completion_applied"],  # 6 calls: 10 s here
+    ids=lambda v: v.name,
+)
+def test_the_bugs_show_in_a_wider_world_too(variant: Variant, policy: str) -> None:
+    report = run(variant, policy, blocks=2, keys="abc")
+    assert report.violation is not None and len(report.violation.steps) <= SHORT
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_the_outside_checks_find_every_bug_without_the_systems_own_invariants(
+    variant: Variant,
+) -> None:
+    """What ``kvoffload verify`` relies on: a policy or manager need not check itself."""
+    report = run(variant, "arc", blocks=1, keys="ab", checks=CHECKS - {"invariants"})
+    assert report.violation is not None
+    assert not report.violation.message.startswith("invariant broken")
+
+
+@pytest.mark.parametrize(
+    ("family", "variant", "depth", "expected"),
+    [
+        ("invariants", "counter_not_restored", SHORT, "evictable counter is 0 but 1 blocks"),
+        ("model", "guard_off_by_one", SHORT, "prepare_store refused 1 absent keys"),
+        ("model", "protected_evictable", SHORT, "evicted ('a',): ['a'] not evictable"),
+        ("model", "failed_store_leaks_slot", SHORT, "free/evictable blocks are (0, 0)"),
+        ("events", "stale_store_completion_applied", SHORT, "[BlocksStored(keys=('a',))]"),
+        ("unchanged", "stale_store_completion_applied", SHORT, "a stale completion changed"),
+        ("unchanged", "completion_keeps_plan_open", SHORT, "second completion of the same"),
+        ("data", "stale_store_completion_applied", SHORT, "a load of 'a' starts reading"),
+        ("data", "stale_load_completion_applied", 9, "the store of 'b' overwrites slot 0"),
+    ],
+)
+def test_each_family_of_checks_catches_a_bug_alone(
+    family: str, variant: str, depth: int, expected: str
+) -> None:
+    report = run(BY_NAME[variant], "lru", blocks=1, keys="ab", depth=depth, checks={family})
+    assert report.violation is not None, f"{family} alone missed {variant}"
+    assert expected in report.violation.message
+
+
+def test_the_stale_completion_bug_reads_as_data_corruption() -> None:
+    """The ABA hazard: a key stored again after a reset is marked ready by the old job."""
+    report = run(BY_NAME["stale_store_completion_applied"], "arc", blocks=1, keys="a")
+    assert report.violation is not None
+    assert report.violation.steps == (
+        "prepare_store(['a'])",
+        "reset_cache()",
+        "prepare_store(['a'])",
+        "complete_store(plan 1 (stale), success=True)",
+    )
+    assert report.violation.message == "a stale completion changed the state"
+    data_only = run(
+        BY_NAME["stale_store_completion_applied"], "arc", blocks=1, keys="a", checks={"data"}
+    )
+    assert data_only.violation is not None
+    assert data_only.violation.steps[-1] == "prepare_load(['a'])"
+    assert data_only.violation.message == "data: a load of 'a' starts reading slot 0: garbage"
