@@ -158,7 +158,9 @@ class Bench:
         total = self.device_flat.numel()
         device, pool = self.device_flat, self.engine.pool.flat
         for offset in offsets:
-            at = offset % (total - nbytes + 1) // 4096 * 4096
+            # half a buffer away from the blocks the engine's contiguous ids just moved,
+            # so that neither side reads what the other left in the cache
+            at = (offset + total // 2) % (total - nbytes + 1) // 4096 * 4096
             if direction == "store":
                 pool[at : at + nbytes].copy_(device[at : at + nbytes], non_blocking=True)
             else:
