@@ -204,13 +204,13 @@ class ConformanceMachine(RuleBasedStateMachine):
     def store(self, data: st.DataObject) -> None:
         self._store(self._draw_keys(data))
 
-    @precondition(lambda self: len(self._absent_keys()) > 0)
+    @precondition(lambda self: bool(self._keys_in(Lookup.MISS)))
     @rule(data=st.data(), complete_now=st.booleans())
     def store_absent(self, data: st.DataObject, complete_now: bool) -> None:
         """Store absent keys (the calls that need room, so evict), often completing at once
         so that the pool fills with ready blocks.
         """
-        absent = st.sampled_from(self._absent_keys())
+        absent = st.sampled_from(self._keys_in(Lookup.MISS))
         self._store(data.draw(st.lists(absent, min_size=1, max_size=self.model.num_blocks)))
         if complete_now and self.stores:
             self._complete_store(len(self.stores) - 1, success=True)
@@ -220,11 +220,11 @@ class ConformanceMachine(RuleBasedStateMachine):
     def complete_store(self, data: st.DataObject, success: bool) -> None:
         self._complete_store(data.draw(st.integers(0, len(self.stores) - 1)), success)
 
-    @precondition(lambda self: bool(self._ready_keys()))
+    @precondition(lambda self: bool(self._keys_in(Lookup.HIT)))
     @rule(data=st.data(), complete_now=st.booleans())
     def load_ready(self, data: st.DataObject, complete_now: bool) -> None:
         """Load ready keys (repeats pin twice), often finishing at once: open loads pin."""
-        ready = st.sampled_from(self._ready_keys())
+        ready = st.sampled_from(self._keys_in(Lookup.HIT))
         self._load(data.draw(st.lists(ready, min_size=1, max_size=4)))
         if complete_now and self.loads:
             self._complete_load(len(self.loads) - 1)
@@ -238,10 +238,12 @@ class ConformanceMachine(RuleBasedStateMachine):
     def complete_load(self, data: st.DataObject) -> None:
         self._complete_load(data.draw(st.integers(0, len(self.loads) - 1)))
 
-    @rule(data=st.data(), absent_only=st.booleans())
-    def touch(self, data: st.DataObject, absent_only: bool) -> None:
-        """Touch any keys, or only absent ones: ARC's ghost hits, which move its target."""
-        keys = self._draw_keys(data, among=self._absent_keys() if absent_only else None)
+    @rule(data=st.data(), among=st.sampled_from((None, Lookup.MISS, Lookup.PENDING, Lookup.HIT)))
+    def touch(self, data: st.DataObject, among: Lookup | None) -> None:
+        """Touch any keys, or only absent ones (ARC's ghost hits, which move its target), or
+        only pending ones (they stay in T1), or only ready ones (they move to T2).
+        """
+        keys = self._draw_keys(data, among=None if among is None else self._keys_in(among))
         got = _attempt(lambda: self.manager.touch(keys))
         _same(f"touch({keys!r})", got, _attempt(lambda: self.model.touch(keys)))
 
@@ -347,11 +349,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         _same(f"complete_load({mine!r})", got, expected)
         self.closed.append((mine, spec))
 
-    def _absent_keys(self) -> list[Key]:
-        return [key for key in self.keys if self.model.lookup(key) is Lookup.MISS]
-
-    def _ready_keys(self) -> list[Key]:
-        return [key for key in self.keys if self.model.lookup(key) is Lookup.HIT]
+    def _keys_in(self, state: Lookup) -> list[Key]:
+        return [key for key in self.keys if self.model.lookup(key) is state]
 
     def _load(self, keys: list[Key]) -> None:
         got = _attempt(lambda: self.manager.prepare_load(keys))
