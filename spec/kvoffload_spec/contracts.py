@@ -238,7 +238,7 @@ class ArcContracts(_Checks):
 
     ``t2`` lists the resident ready keys in T2, least recent first; the other resident keys
     are in T1, in ``t1``'s order (the others follow by slot). ``b1`` and ``b2`` are the
-    ghosts (keys not resident; the most recent :data:`MAX_BLOCKS` of each are kept) and
+    ghosts (keys not resident; the most recent ``len(slots)`` of each are kept) and
     ``p`` the target size of T1.
     """
 
@@ -270,9 +270,10 @@ class ArcContracts(_Checks):
         # A pending key was inserted into T1 and has not been touched while ready since.
         arc.t2 = [key for key in _keys(t2) if key in blocks and blocks[key].ready]
         arc.t1 = [key for key in self._resident_first(t1) if key not in arc.t2]
-        arc.b1 = [key for key in _keys(b1) if key not in blocks][-MAX_BLOCKS:]
+        capacity = arc.capacity
+        arc.b1 = [key for key in _keys(b1) if key not in blocks][-capacity:]
         arc.b2 = [key for key in _keys(b2) if key not in blocks and key not in arc.b1]
-        del arc.b2[:-MAX_BLOCKS]
+        arc.b2 = arc.b2[-capacity:]
         arc.p = p
 
     def __repr__(self) -> str:

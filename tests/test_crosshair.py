@@ -1,0 +1,173 @@
+"""CrossHair checks the spec's transitions, assert contracts included, on every small state.
+
+One ``crosshair check --analysis_kind=asserts`` per target (a transition under LRU or ARC,
+spec/kvoffload_spec/contracts.py), two at a time. Three kinds of run:
+
+- the spec: no counterexample within the time budget;
+- canaries: the spec with ``assert False`` after each check's postcondition. CrossHair must
+  refute every one at once, which proves it gets past the preconditions: in this mode an
+  unsatisfiable precondition, or a constructor that always raises, is reported as a plain
+  "Not confirmed" with exit status 0, a silent vacuous pass;
+- planted bugs (tests/spec_variants.py): CrossHair must find each.
+
+Any "Unable to meet precondition" line fails the gate too. The whole module takes about a
+minute on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload_spec.contracts import CHECKS, MAX_BLOCKS, ArcContracts, LruContracts
+from kvoffload_spec.state import invariant_violations
+from kvoffload_spec.surface import LoadPlan, StorePlan
+from tests.spec_variants import CONTRACTS_SOURCE, VARIANTS, Variant
+
+ROOT = Path(__file__).resolve().parent.parent
+CLASSES = ("LruContracts", "ArcContracts")
+SPEC_TIMEOUT = 5.0  # CPU seconds per target, as DESIGN.md section 6 found enough
+FIND_TIMEOUT = 40.0  # a canary or a planted bug is found well within this
+POSTCONDITION = "        assert not invariant_violations(self)\n\n    def "
+
+
+@dataclass(frozen=True)
+class Run:
+    target: str
+    returncode: int
+    output: str
+    seconds: float
+
+    def vacuous(self) -> bool:
+        return "Unable to meet precondition" in self.output
+
+    def refuted(self) -> bool:
+        return self.returncode == 1 and ": error: " in self.output and not self.vacuous()
+
+    def unexpected_lines(self) -> list[str]:
+        """Lines other than CrossHair's verdict on the target."""
+        verdicts = (": info: Not confirmed.", ": info: Confirmed over all paths.")
+        return [line for line in self.output.splitlines() if not line.endswith(verdicts)]
+
+
+def crosshair(target: str, timeout: float, pythonpath: Sequence[Path] = ()) -> Run:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "crosshair", "check", "--analysis_kind=asserts"]
+    command += [f"--per_condition_timeout={timeout}", "--report_all", target]
+    start = time.perf_counter()
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600
+    )
+    seconds = time.perf_counter() - start
+    return Run(target, done.returncode, (done.stdout + done.stderr).strip(), seconds)
+
+
+def spec_targets(module: str = "kvoffload_spec.contracts") -> list[str]:
+    return [f"{module}.{cls}.{check}" for cls in CLASSES for check in CHECKS]
+
+
+def write_canaries(directory: Path) -> str:
+    if CONTRACTS_SOURCE.count(POSTCONDITION) != len(CHECKS):
+        raise LookupError("each check must end with: assert not invariant_violations(self)")
+    reached = POSTCONDITION.replace("\n\n", '\n        assert False, "reached"\n\n')
+    (directory / "canary_contracts.py").write_text(CONTRACTS_SOURCE.replace(POSTCONDITION, reached))
+    return "canary_contracts"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    """Every CrossHair run of this module, two at a time (the machine has two cores)."""
+    scratch = tmp_path_factory.mktemp("crosshair")
+    jobs = [(target, SPEC_TIMEOUT) for target in spec_targets()]
+    jobs += [(target, FIND_TIMEOUT) for target in spec_targets(write_canaries(scratch))]
+    for variant in VARIANTS:
+        if variant.crosshair is not None:
+            jobs.append((f"{variant.write_contracts(scratch)}.{variant.crosshair}", FIND_TIMEOUT))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = list(pool.map(lambda job: crosshair(job[0], job[1], [scratch]), jobs))
+    for run in done:
+        print(f"{run.seconds:6.1f} s  rc {run.returncode}  {run.target}")
+    yield {run.target: run for run in done}
+
+
+@pytest.mark.parametrize("target", spec_targets())
+def test_crosshair_finds_no_counterexample_in_the_spec(runs: dict[str, Run], target: str) -> None:
+    run = runs[target]
+    assert run.returncode == 0 and not run.vacuous(), run.output
+    assert not run.unexpected_lines(), run.output
+    assert run.output, "CrossHair said nothing about the target"
+
+
+@pytest.mark.parametrize("target", spec_targets("canary_contracts"))
+def test_crosshair_gets_past_every_precondition(runs: dict[str, Run], target: str) -> None:
+    run = runs[target]
+    assert run.refuted(), f"CrossHair never reached the end of {target}:\n{run.output}"
+    assert "reached" in run.output
+
+
+@pytest.mark.parametrize(
+    "variant", [v for v in VARIANTS if v.crosshair is not None], ids=lambda v: v.name
+)
+def test_crosshair_catches_planted_bugs(runs: dict[str, Run], variant: Variant) -> None:
+    run = runs[f"broken_contracts_{variant.name}.{variant.crosshair}"]
+    assert run.refuted(), f"CrossHair missed the bug: {variant.bug}\n{run.output}"
+
+
+def test_a_vacuous_run_fails_the_gate() -> None:
+    line = "contracts.py:59: info: Unable to meet precondition."
+    vacuous = Run("x", 0, line, 1.0)
+    assert vacuous.vacuous() and vacuous.unexpected_lines() == [line] and not vacuous.refuted()
+    assert not Run("x", 0, "contracts.py:59: info: Not confirmed.", 1.0).unexpected_lines()
+
+
+# -- the same checks, on random states, in-process ------------------------------------------
+
+keys = st.integers(-2, MAX_BLOCKS + 3)
+slots = st.lists(st.integers(-1, 3), min_size=1, max_size=MAX_BLOCKS)
+loads = st.lists(st.lists(st.integers(0, MAX_BLOCKS - 1), max_size=3), max_size=2)
+small = st.lists(keys, max_size=4)
+
+
+@st.composite
+def states(draw: st.DrawFn) -> LruContracts | ArcContracts:
+    common = (draw(slots), draw(keys), draw(loads), draw(small))
+    if draw(st.booleans()):
+        return LruContracts(*common, draw(small), draw(st.integers(1, 3)), draw(small))
+    capacity = len(common[0])
+    p = draw(st.floats(0, capacity))
+    return ArcContracts(*common, draw(small), draw(small), draw(small), draw(small), p)
+
+
+@given(states())
+def test_every_derived_state_satisfies_the_invariants(state: LruContracts | ArcContracts) -> None:
+    assert invariant_violations(state) == []
+
+
+@given(states(), st.sampled_from(CHECKS), small, st.integers(0, 5), st.booleans())
+def test_every_check_holds_on_random_states(
+    state: LruContracts | ArcContracts,
+    check: str,
+    arguments: list[int],
+    which: int,
+    success: bool,
+) -> None:
+    kinds = {plan.__class__ for plan in state.open_plans.values()}
+    if check == "check_complete_store" and StorePlan in kinds:
+        state.check_complete_store(which, success)
+    elif check == "check_complete_load" and LoadPlan in kinds:
+        state.check_complete_load(which)
+    elif check in ("check_prepare_store", "check_prepare_load", "check_touch"):
+        getattr(state, check)(arguments)
+    elif check == "check_reset_cache":
+        state.check_reset_cache()
