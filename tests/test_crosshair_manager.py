@@ -1,86 +1,59 @@
 """CrossHair checks the contracts of ``kvoffload.contracts`` on the production manager.
 
-Each ``check_*`` method of ``LruChecks`` and ``ArcChecks`` is one target, analysed for a
-few seconds (DESIGN.md section 6); every run of the module starts at once, one process
-per policy and one per planted bug.
-CrossHair passes vacuously when no state meets a precondition, so every target must also
-report that it was explored ("Not confirmed" or "Confirmed", never "Unable to meet
-precondition"). The planted bugs below show the analysis can fail: CrossHair must find
-each of them, with the contracts unchanged.
+One ``crosshair check --analysis_kind=asserts`` per target (a ``check_*`` method of
+``LruChecks`` or ``ArcChecks``), two at a time, with the runner of tests/test_crosshair.py.
+Three kinds of run, as there:
+
+- the manager: no counterexample within the time budget;
+- canaries: the contracts with ``assert False, "reached"`` after each check's last
+  postcondition. CrossHair must refute every one, which proves it gets past the
+  preconditions (a vacuous pass reads as a plain "Not confirmed");
+- planted bugs (below): CrossHair must find each, with the contracts unchanged.
+
+Then the same checks run in-process on random histories, which is fast and catches a
+contract that a correct manager fails before CrossHair has to.
 """
 
 from __future__ import annotations
 
-import inspect
-import re
-import subprocess
-import sys
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvoffload import contracts
-from kvoffload.contracts import CHECKS, ArcChecks, CheckedManager, LruChecks
+from kvoffload.contracts import CHECKS, ArcChecks, CheckedManager, Fate, LruChecks
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.lru import LruPolicy
 from kvoffload_spec.surface import Key, StorePlan
 from kvoffload_spec.validation import check_flag
+from tests.test_crosshair import Run, crosshair
 
-ROOT = Path(__file__).resolve().parent.parent
-SECONDS_PER_TARGET = 4  # CPU seconds of search per check
-SECONDS_TO_FIND_A_BUG = 60  # each planted bug is found in a few
-EXPLORED = re.compile(r":(\d+): info: (Not confirmed|Confirmed over all paths)\.")
+SECONDS_PER_TARGET = 4.0  # CPU seconds of search per check
+SECONDS_TO_FIND = 40.0  # a canary or a planted bug is found within a few
+LAST_POSTCONDITION = "    assert manager.invariants_hold()\n\n\n"
+CLASSES = (LruChecks, ArcChecks)
 
 
-def crosshair(targets: Sequence[str], seconds: float) -> subprocess.Popen[str]:
-    """Start ``crosshair check`` on ``targets`` (assert contracts, every outcome reported)."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "crosshair",
-            "check",
-            "--analysis_kind=asserts",
-            f"--per_condition_timeout={seconds}",
-            "--report_all",
-            *targets,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+def targets(module: str = "kvoffload.contracts") -> list[str]:
+    return [f"{module}.{cls.__name__}.{check}" for cls in CLASSES for check in CHECKS]
+
+
+def write_canaries(directory: Path) -> str:
+    source = Path(contracts.__file__).read_text(encoding="utf-8")
+    if source.count(LAST_POSTCONDITION) != len(CHECKS):
+        raise LookupError("each check must end with: assert manager.invariants_hold()")
+    reached = LAST_POSTCONDITION.replace("\n\n\n", '\n    assert False, "reached"\n\n\n')
+    (directory / "canary_manager_contracts.py").write_text(
+        source.replace(LAST_POSTCONDITION, reached), encoding="utf-8"
     )
-
-
-def finish(process: subprocess.Popen[str], timeout: float = 300) -> tuple[int, str]:
-    output, _ = process.communicate(timeout=timeout)
-    return process.returncode, output
-
-
-def target(cls: type[CheckedManager], check: str) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}.{check}"
-
-
-def test_every_check_is_a_method_of_both_classes() -> None:
-    for cls in (LruChecks, ArcChecks):
-        assert [name for name in CHECKS if name in vars(cls)] == list(CHECKS)
-
-
-def test_the_contracts_hold_on_the_manager(runs: dict[str, subprocess.Popen[str]]) -> None:
-    for cls in (LruChecks, ArcChecks):
-        returncode, output = finish(runs[cls.__name__])
-        assert returncode == 0, output
-        assert "Unable to meet precondition" not in output, output
-        assert "error" not in output.lower(), output
-        explored = {int(line) for line, _ in EXPLORED.findall(output)}
-        def_lines = {inspect.getsourcelines(getattr(cls, check))[1] for check in CHECKS}
-        assert explored == def_lines, f"not every target of {cls.__name__} was explored:\n{output}"
+    return "canary_manager_contracts"
 
 
 # -- planted bugs ----------------------------------------------------------------------------
-
-
 # Each binds only the check that must catch it, to a CheckedManager (not to LruChecks: a
 # check inherited and bound again would be analysed twice).
 
@@ -135,55 +108,104 @@ class StaleStoreCompletionApplied(CheckedManager):
             self._drop_failed(done)
 
 
-PLANTED = [
-    (CounterNotRestoredOnLoad, "check_complete_load"),
-    (EvictsBeforeGivingUp, "check_prepare_store"),
-    (StaleStoreCompletionApplied, "check_complete_store"),
-]
+PLANTED = {
+    f"{__name__}.CounterNotRestoredOnLoad.check_complete_load": CounterNotRestoredOnLoad,
+    f"{__name__}.EvictsBeforeGivingUp.check_prepare_store": EvictsBeforeGivingUp,
+    f"{__name__}.StaleStoreCompletionApplied.check_complete_store": StaleStoreCompletionApplied,
+}
+
+
+# -- CrossHair -------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def runs() -> Iterator[dict[str, subprocess.Popen[str]]]:
-    """Every CrossHair run of this module, started at once: each stops on its own CPU-time
-    budget, so the runs share the cores without exploring less.
-    """
-    started = {
-        cls.__name__: crosshair([target(cls, check) for check in CHECKS], SECONDS_PER_TARGET)
-        for cls in (LruChecks, ArcChecks)
-    }
-    started.update(
-        (planted.__name__, crosshair([target(planted, check)], SECONDS_TO_FIND_A_BUG))
-        for planted, check in PLANTED
-    )
-    yield started
-    for process in started.values():
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    """Every CrossHair run of this module, two at a time (the machine has two cores)."""
+    scratch = tmp_path_factory.mktemp("crosshair_manager")
+    jobs = [(target, SECONDS_PER_TARGET) for target in targets()]
+    jobs += [(target, SECONDS_TO_FIND) for target in targets(write_canaries(scratch))]
+    jobs += [(target, SECONDS_TO_FIND) for target in PLANTED]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = list(pool.map(lambda job: crosshair(job[0], job[1], [scratch]), jobs))
+    for run in done:
+        print(f"{run.seconds:6.1f} s  rc {run.returncode}  {run.target}")
+    yield {run.target: run for run in done}
 
 
-@pytest.mark.parametrize(("planted", "check"), PLANTED, ids=[cls.__name__ for cls, _ in PLANTED])
-def test_crosshair_finds_a_planted_bug(
-    planted: type[CheckedManager], check: str, runs: dict[str, subprocess.Popen[str]]
+@pytest.mark.parametrize("target", targets())
+def test_crosshair_finds_no_counterexample_in_the_manager(
+    runs: dict[str, Run], target: str
 ) -> None:
-    returncode, output = finish(runs[planted.__name__])
-    assert returncode != 0, output
-    assert re.search(rf"error: AssertionError: .* when calling {check}\(", output), output
+    run = runs[target]
+    assert run.returncode == 0 and not run.vacuous(), run.output
+    assert not run.unexpected_lines(), run.output
+    assert run.output, "CrossHair said nothing about the target"
 
 
-def test_the_planted_bugs_are_bugs_and_the_contracts_see_them() -> None:
-    """Concrete witnesses, so that a change to the contracts that blinds them fails here
-    quickly, not only after CrossHair's search.
+@pytest.mark.parametrize("target", targets("canary_manager_contracts"))
+def test_crosshair_gets_past_every_precondition(runs: dict[str, Run], target: str) -> None:
+    run = runs[target]
+    assert run.refuted(), f"CrossHair never reached the end of {target}:\n{run.output}"
+    assert "reached" in run.output
+
+
+@pytest.mark.parametrize("target", list(PLANTED), ids=[cls.__name__ for cls in PLANTED.values()])
+def test_crosshair_catches_planted_bugs(runs: dict[str, Run], target: str) -> None:
+    run = runs[target]
+    assert run.refuted(), f"CrossHair missed the bug: {PLANTED[target].__doc__}\n{run.output}"
+    assert "reached" not in run.output and "AssertionError" in run.output
+
+
+# -- the same checks, on random histories, in-process ----------------------------------------
+
+fates = st.tuples(*[st.sampled_from(Fate)] * 4)
+keys = st.lists(st.integers(0, 5), max_size=4)
+
+
+@given(st.sampled_from(CLASSES), st.integers(0, 2), fates)
+def test_every_history_satisfies_the_invariants(
+    cls: type[CheckedManager], num_blocks: int, fate: tuple[int, int, int, int]
+) -> None:
+    assert cls(num_blocks, fate).invariants_hold()
+
+
+@given(
+    st.sampled_from(CLASSES),
+    st.integers(0, 2),
+    fates,
+    st.sampled_from(CHECKS),
+    keys,
+    st.integers(0, 5),
+    st.booleans(),
+)
+def test_every_check_holds_on_random_histories(
+    cls: type[LruChecks | ArcChecks],
+    num_blocks: int,
+    fate: tuple[int, int, int, int],
+    check: str,
+    arguments: list[int],
+    which: int,
+    success: bool,
+) -> None:
+    manager = cls(num_blocks, fate)
+    if check == "check_complete_store" and manager.store_plans:
+        manager.check_complete_store(which, success)
+    elif check == "check_complete_load" and manager.load_plans:
+        manager.check_complete_load(which)
+    elif check in ("check_prepare_store", "check_prepare_load", "check_touch"):
+        getattr(manager, check)(arguments)
+    elif check == "check_reset_cache":
+        manager.check_reset_cache()
+
+
+def test_the_planted_bugs_break_the_contracts() -> None:
+    """Concrete witnesses: a change to the contracts that blinds them fails here at once,
+    not only after CrossHair's search.
     """
-    fates = contracts.Fate
-    leak = CounterNotRestoredOnLoad(1, (fates.PINNED, fates.ABSENT, fates.ABSENT, fates.ABSENT))
+    absent = (Fate.ABSENT,) * 3
     with pytest.raises(AssertionError):
-        leak.check_complete_load(0)
-    greedy = EvictsBeforeGivingUp(0, (fates.READY, fates.ABSENT, fates.ABSENT, fates.ABSENT))
+        CounterNotRestoredOnLoad(1, (Fate.PINNED, *absent)).check_complete_load(0)
     with pytest.raises(AssertionError):
-        greedy.check_prepare_store([1, 2])
-    aba = StaleStoreCompletionApplied(
-        0, (fates.STORED_AGAIN, fates.ABSENT, fates.ABSENT, fates.ABSENT)
-    )
+        EvictsBeforeGivingUp(0, (Fate.READY, *absent)).check_prepare_store([1, 2])
     with pytest.raises(AssertionError):
-        aba.check_complete_store(0, True)
+        StaleStoreCompletionApplied(0, (Fate.STORED_AGAIN, *absent)).check_complete_store(0, True)
