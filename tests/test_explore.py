@@ -45,8 +45,8 @@ class Bounds:
 
 GATE_BOUNDS = (
     Bounds(blocks=2, keys=3, depth=5),  # wide: eviction choices, protection, pins
-    Bounds(blocks=1, keys=2, depth=8),  # deep: resets, stale plans, re-stored keys
-    Bounds(blocks=2, keys=2, depth=5, threshold=2),  # the offer tracker
+    Bounds(blocks=1, keys=2, depth=9),  # deep: resets, stale plans, re-stored keys
+    Bounds(blocks=2, keys=3, depth=4, threshold=2),  # the offer tracker
 )
 
 
