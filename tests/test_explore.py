@@ -162,6 +162,29 @@ def test_any_system_with_the_surface_can_be_explored_given_a_fingerprint() -> No
         explore(lambda: Delegate(1), keys=keys, depth=1)
 
 
+class CrashesOnHits(Delegate):
+    def lookup(self, key: Key) -> Lookup:
+        found = super().lookup(key)
+        if found is Lookup.HIT:
+            raise RuntimeError(f"cannot look {key!r} up")
+        return found
+
+
+def test_a_system_that_crashes_when_asked_is_reported_not_raised() -> None:
+    def fingerprint(system: Delegate, plan_names: Mapping[int, int]) -> Fingerprint:
+        return model_fingerprint(system.inner, plan_names)
+
+    report = explore(lambda: CrashesOnHits(1), keys=("a",), depth=3, fingerprint=fingerprint)
+    assert report.violation is not None
+    assert report.violation.steps == (
+        "prepare_store(['a'])",
+        "complete_store(plan 1, success=True)",
+    )
+    assert report.violation.message.startswith(
+        "asking the system how it stands raised RuntimeError(cannot look 'a' up)"
+    )
+
+
 def test_checks_can_be_left_out_for_a_system_without_events() -> None:
     silent = explore(lambda: OffloadModel(1), keys=("a",), depth=3, checks=CHECKS - {"events"})
     assert silent.ok

@@ -62,7 +62,7 @@ from kvoffload_spec.errors import (
     PlanAlreadyCompletedError,
 )
 from kvoffload_spec.model import OffloadModel
-from kvoffload_spec.policies import POLICY_NAMES, ArcOrder
+from kvoffload_spec.policies import POLICY_NAMES, ArcOrder, PolicyOrder
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -100,7 +100,6 @@ class System(Protocol):
 
 
 S = TypeVar("S", bound=System)
-T = TypeVar("T")
 
 
 class Fingerprint(NamedTuple):
@@ -181,9 +180,9 @@ def clone_model(model: OffloadModel) -> OffloadModel:
     return clone
 
 
-def _with_list_copies(order: T) -> T:
+def _with_list_copies(order: PolicyOrder) -> PolicyOrder:
     twin = copy.copy(order)
-    for order_field in dataclasses.fields(order):  # type: ignore[arg-type]
+    for order_field in dataclasses.fields(order):
         value = getattr(order, order_field.name)
         if isinstance(value, list):
             setattr(twin, order_field.name, list(value))
@@ -464,8 +463,9 @@ class _Checker(Generic[S]):
             self._check_reads(node, load, "starts")
             held.append(_Held(load, True))
         elif op.name == RESET:
-            ready = sorted((slot, k) for k, (slot, pending) in resident.items() if not pending)
-            events = _removed(tuple(k for _, k in ready), RemovalReason.RESET)
+            ready = [k for k, (_, pending) in resident.items() if not pending]
+            ready.sort(key=lambda k: resident[k][0])  # reported by slot
+            events = _removed(tuple(ready), RemovalReason.RESET)
             resident.clear()
             held = [_Held(h.plan, False) for h in held]
         elif op.plan >= 0:
@@ -558,6 +558,18 @@ class _Checker(Generic[S]):
                 system.check_invariants()
             except Exception as error:
                 raise Violation(f"invariant broken: {error}") from error
+        try:
+            self._look(node, events_due)
+        except Violation:
+            raise
+        except Exception as error:  # a surface that crashes when asked is a finding too
+            raise Violation(
+                f"asking the system how it stands raised {_described(error)}"
+            ) from error
+        node.fingerprint = self.fingerprint(system, node.plan_names())
+
+    def _look(self, node: _Node[S], events_due: list[Event]) -> None:
+        system = node.system
         for key in self.keys:
             found, due = system.lookup(key), node.lookup(key)
             if "model" in self.checks and found is not due:
@@ -565,10 +577,8 @@ class _Checker(Generic[S]):
             if found is Lookup.MISS:
                 node.resident.pop(key, None)
             elif found is not due:
-                node.resident[key] = (
-                    node.resident.get(key, (-1, True))[0],
-                    found is Lookup.PENDING,
-                )
+                slot = node.resident.get(key, (-1, True))[0]
+                node.resident[key] = (slot, found is Lookup.PENDING)
         if "model" in self.checks:
             counts = (system.num_free_blocks, system.num_evictable_blocks)
             due_counts = (len(node.free_slots()), len(node.evictable()))
@@ -577,7 +587,6 @@ class _Checker(Generic[S]):
         events = system.take_events()
         if "events" in self.checks and events != events_due:
             raise Violation(f"events {events} where {events_due} were due")
-        node.fingerprint = self.fingerprint(system, node.plan_names())
 
     def _unchanged(self, node: _Node[S], system: S, what: str, *, tracker: bool = True) -> None:
         if "unchanged" not in self.checks:
