@@ -161,7 +161,7 @@ def _renamed(plan_id: int | None, plan_names: Mapping[int, int]) -> int | None:
 def clone_model(model: OffloadModel) -> OffloadModel:
     """A deep copy of the reference model, four times faster than ``copy.deepcopy``: plans,
     events and keys are immutable, so the copy shares them and copies only the containers
-    and blocks (and deep-copies any field it does not know)."""
+    and blocks. A field it does not know is deep-copied."""
     state = model.state
     twin = copy.copy(state)
     for spec_field in dataclasses.fields(state):
@@ -170,7 +170,7 @@ def clone_model(model: OffloadModel) -> OffloadModel:
             value = {key: copy.copy(block) for key, block in value.items()}
         elif spec_field.name == "order":
             value = _with_list_copies(value)
-        elif isinstance(value, (list, dict)):
+        elif spec_field.name in _FLAT_FIELDS and value is not None:
             value = type(value)(value)
         elif not isinstance(value, (int, float, str, type(None))):
             value = copy.deepcopy(value)
@@ -178,6 +178,10 @@ def clone_model(model: OffloadModel) -> OffloadModel:
     clone = copy.copy(model)
     clone.state = twin
     return clone
+
+
+# Containers of immutable values: a shallow copy is a deep one.
+_FLAT_FIELDS = frozenset({"free_slots", "open_plans", "offers", "events"})
 
 
 def _with_list_copies(order: PolicyOrder) -> PolicyOrder:
