@@ -49,7 +49,7 @@ KEY_POOL: tuple[Key, ...] = (0, b"h1", "h2", (3, "t"), 4.5, frozenset({5}))
 # Arguments every keyed method must refuse with InvalidArgumentError, changing nothing.
 BAD_KEYS = st.sampled_from(("h2", b"h1", 7, None, [[0]], [0, {}]))
 KEYED_METHODS = ("prepare_store", "prepare_load", "touch", "lookup")
-PLAN_MISUSES = ("foreign", "other kind", "forged id", "altered", "flag", "junk")
+PLAN_MISUSES = ("foreign", "other kind", "forged id", "altered", "flag", "junk", "abandon junk")
 
 
 class ConformanceError(AssertionError):
@@ -65,11 +65,14 @@ class ManagerLike(Protocol):
     def num_free_blocks(self) -> int: ...
     @property
     def num_evictable_blocks(self) -> int: ...
+    @property
+    def num_quarantined_blocks(self) -> int: ...
     def lookup(self, key: Key) -> Lookup: ...
     def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None: ...
     def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
     def prepare_load(self, keys: Sequence[Key]) -> LoadPlan: ...
     def complete_load(self, plan: LoadPlan) -> None: ...
+    def abandon(self, plan: StorePlan | LoadPlan) -> None: ...
     def touch(self, keys: Sequence[Key]) -> None: ...
     def reset_cache(self) -> None: ...
     def take_events(self) -> list[Event]: ...
@@ -247,6 +250,17 @@ class ConformanceMachine(RuleBasedStateMachine):
         got = _attempt(lambda: self.manager.touch(keys))
         _same(f"touch({keys!r})", got, _attempt(lambda: self.model.touch(keys)))
 
+    @precondition(lambda self: bool(self.stores or self.loads))
+    @rule(data=st.data())
+    def abandon(self, data: st.DataObject) -> None:
+        """Give up on an open plan's job (it stalled): the plan stays open, its completion
+        is still due; abandoning it again must fail.
+        """
+        open_plans: list[tuple[Plan, Plan]] = [*self.stores, *self.loads]
+        mine, spec = data.draw(st.sampled_from(open_plans))
+        got = _attempt(lambda: self.manager.abandon(mine))
+        _same(f"abandon({mine!r})", got, _attempt(lambda: self.model.abandon(spec)))
+
     @precondition(lambda self: self.model.num_free_blocks < self.model.num_blocks)
     @rule()
     def reset(self) -> None:
@@ -267,12 +281,13 @@ class ConformanceMachine(RuleBasedStateMachine):
         forged, altered, with a bad flag, or not a plan at all.
         """
         plans: list[tuple[Plan, Plan]] = [*self.stores, *self.loads, *self.closed]
-        kinds = ["bad keys", *(PLAN_MISUSES if plans else ()), *(["again"] if self.closed else [])]
+        again = ["again", "abandon again"] if self.closed else []
+        kinds = ["bad keys", *(PLAN_MISUSES if plans else ()), *again]
         kind = data.draw(st.sampled_from(kinds), label="misuse")
         if kind == "bad keys":
             self._bad_keys(data.draw(st.sampled_from(KEYED_METHODS)), data.draw(BAD_KEYS))
             return
-        mine, spec = data.draw(st.sampled_from(self.closed if kind == "again" else plans))
+        mine, spec = data.draw(st.sampled_from(self.closed if kind in again else plans))
         got = _attempt(lambda: _misuse(self.manager, mine, spec, kind))
         expected = _attempt(lambda: _misuse(self.model, spec, mine, kind))
         _same(f"{kind}: {mine!r}", got, expected)
@@ -283,7 +298,8 @@ class ConformanceMachine(RuleBasedStateMachine):
     def agree(self) -> None:
         self.manager.check_invariants()
         self.model.check_invariants()
-        for view in ("num_blocks", "num_free_blocks", "num_evictable_blocks"):
+        views = ("num_blocks", "num_free_blocks", "num_evictable_blocks", "num_quarantined_blocks")
+        for view in views:
             _same(view, getattr(self.manager, view), getattr(self.model, view))
         for key in self.keys:
             _same(f"lookup({key!r})", self.manager.lookup(key), self.model.lookup(key))
@@ -305,6 +321,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             (stats.resident, stats.pending, stats.pinned, stats.evictable, stats.free),
             (len(blocks), pending, pinned, evictable, free),
         )
+        _same("stats().quarantined", stats.quarantined, model.num_quarantined_blocks)
 
     def _agree_on_order(self, manager: OffloadManager) -> None:
         """The built-in policies' internal order, compared directly: a wrong order shows up
@@ -370,6 +387,10 @@ class ConformanceMachine(RuleBasedStateMachine):
 def _misuse(target: ManagerLike | OffloadModel, own: Plan, other: Plan, kind: str) -> None:
     if kind == "again":
         _complete(target, own)
+    elif kind == "abandon again":
+        target.abandon(own)
+    elif kind == "abandon junk":
+        target.abandon("not a plan")  # type: ignore[arg-type]
     elif kind == "foreign":
         _complete(target, other)  # the other side's plan: another owner
     elif kind == "other kind":

@@ -9,15 +9,16 @@ slots, refs, counters, plans and events; the eviction policy owns only the order
 from __future__ import annotations
 
 import heapq
+import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import asdict
 
 from kvoffload.policies.base import EvictionPolicy, PolicyContractError
 from kvoffload.policies.loading import resolve_policy
 from kvoffload.stats import ManagerStats, Tally
-from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError
+from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, InvalidArgumentError
 from kvoffload_spec.model import SpecViolation
 from kvoffload_spec.surface import (
     BlocksRemoved,
@@ -32,11 +33,13 @@ from kvoffload_spec.surface import (
     new_owner_id,
 )
 from kvoffload_spec.validation import (
+    check_abandonable,
     check_count,
     check_flag,
     check_key,
     check_keys,
     check_open_plan,
+    check_seconds,
 )
 
 
@@ -61,6 +64,8 @@ class OffloadManager:
     """
 
     __slots__ = (
+        "_abandoned",
+        "_clock",
         "_events",
         "_freed",
         "_fresh",
@@ -71,10 +76,12 @@ class OffloadManager:
         "_num_evictable",
         "_offers",
         "_open_plans",
+        "_opened_at",
         "_owner",
         "_policy",
         "_refs",
         "_slot_of",
+        "_stall_after",
         "_store_threshold",
         "_storing",
         "_tally",
@@ -88,18 +95,28 @@ class OffloadManager:
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
         enable_events: bool = False,
+        stall_after: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``policy`` is "lru", "arc", an ``EvictionPolicy`` subclass or "module:Class".
 
         A key becomes a store candidate once offered ``store_threshold`` times (the offers
-        of at most ``max_tracker_size`` keys are remembered). Bad arguments raise
-        ``InvalidArgumentError`` (``UnknownPolicyError`` for the policy).
+        of at most ``max_tracker_size`` keys are remembered). A plan still open
+        ``stall_after`` seconds (by ``clock``) after it was made counts as stalled in
+        ``stats()`` and ``stalled_plans()``. Bad arguments raise ``InvalidArgumentError``
+        (``UnknownPolicyError`` for the policy).
         """
         check_count("num_blocks", num_blocks)
         policy_class = resolve_policy(policy)
         self._store_threshold = check_count("store_threshold", store_threshold)
         self._max_tracker_size = check_count("max_tracker_size", max_tracker_size)
         events_on = check_flag("enable_events", enable_events)
+        self._stall_after = check_seconds("stall_after", stall_after)
+        if not callable(clock):
+            raise InvalidArgumentError(
+                f"clock must be a function returning seconds, like time.monotonic, got {clock!r}"
+            )
+        self._clock = clock
         self._num_blocks = num_blocks
         self._policy = policy_class(num_blocks)
         self._slot_of: dict[Key, int] = {}  # every resident key
@@ -113,6 +130,9 @@ class OffloadManager:
         self._offers: OrderedDict[Key, int] = OrderedDict()  # least recently offered first
         self._events: list[Event] | None = [] if events_on else None
         self._open_plans: dict[int, StorePlan | LoadPlan] = {}
+        self._opened_at: dict[int, float] = {}  # open plan id -> clock when it was made
+        # abandoned plan id -> the slots its store job may still write (quarantined)
+        self._abandoned: dict[int, tuple[int, ...]] = {}
         self._next_plan_id = 0
         self._generation = 0
         self._owner = new_owner_id()
@@ -140,6 +160,11 @@ class OffloadManager:
         return self._num_evictable
 
     @property
+    def num_quarantined_blocks(self) -> int:
+        """Slots of abandoned stores whose jobs have not reported yet: not usable."""
+        return sum(map(len, self._abandoned.values()))
+
+    @property
     def policy(self) -> EvictionPolicy:
         """The eviction policy instance (read it; changing it corrupts the manager)."""
         return self._policy
@@ -157,8 +182,10 @@ class OffloadManager:
         return found
 
     def stats(self) -> ManagerStats:
-        """Gauges and counters, as a frozen snapshot."""
+        """Gauges and counters, as a frozen snapshot (O(1) plus the stalled plans)."""
         resident, pending = len(self._slot_of), len(self._storing)
+        stalled = self.stalled_plans()
+        current = [plan for plan in stalled if plan.generation == self._generation]
         return ManagerStats(
             num_blocks=self._num_blocks,
             resident=resident,
@@ -166,8 +193,29 @@ class OffloadManager:
             pinned=resident - pending - self._num_evictable,
             evictable=self._num_evictable,
             free=self.num_free_blocks,
+            quarantined=self.num_quarantined_blocks,
+            stalled_plans=len(stalled),
+            stalled_pins=sum(len(p.keys) for p in current if isinstance(p, LoadPlan)),
+            stalled_pending=sum(len(p.keys) for p in current if isinstance(p, StorePlan)),
+            abandoned_open=len(self._abandoned),
             **asdict(self._tally),
         )
+
+    def stalled_plans(self, older_than: float | None = None) -> list[StorePlan | LoadPlan]:
+        """The open plans made more than ``older_than`` seconds ago (default: the manager's
+        ``stall_after``), oldest first, abandoned ones left out: the candidates for
+        ``abandon`` when their jobs seem never to finish.
+        """
+        age = self._stall_after if older_than is None else check_seconds("older_than", older_than)
+        cutoff = self._clock() - age
+        stalled: list[StorePlan | LoadPlan] = []
+        # Plans are opened in id order, so the dict is ordered by age: stop at a young one.
+        for plan_id, opened in self._opened_at.items():
+            if opened > cutoff:
+                break
+            if plan_id not in self._abandoned:
+                stalled.append(self._open_plans[plan_id])
+        return stalled
 
     # -- operations ------------------------------------------------------------------------
 
@@ -196,6 +244,11 @@ class OffloadManager:
         """
         check_flag("success", success)
         plan = self._close(plan, StorePlan)
+        quarantine = self._abandoned.pop(plan.plan_id, None)
+        if quarantine is not None:
+            for slot in quarantine:  # its job is over: nothing can write these slots now
+                heapq.heappush(self._freed, slot)
+            return
         if plan.generation != self._generation:
             return  # the ABA guard: these keys may have been stored again since the reset
         done = [key for key in plan.keys if self._storing.get(key) == plan.plan_id]
@@ -220,11 +273,47 @@ class OffloadManager:
     def complete_load(self, plan: LoadPlan) -> None:
         """The load job of ``plan`` finished: unpin what it pinned."""
         plan = self._close(plan, LoadPlan)
+        if self._abandoned.pop(plan.plan_id, None) is not None:
+            return  # its pins were released when it was abandoned
         self._tally.blocks_loaded += len(plan.keys)
         if plan.generation != self._generation:
             return
         for key in plan.keys:
             self._unpin(key)
+
+    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+        """Give up waiting for the job of ``plan`` (it stalled), without trusting it ended.
+
+        A load plan's pins are released now. A store plan's keys become absent now (an
+        event says their store failed), but their slots stay *quarantined*, handed out to no
+        one, until ``complete_store(plan)`` reports that the job can no longer write them.
+        The plan must still be completed once, when its job reports (late); that changes
+        nothing else. Raises ``PlanAlreadyAbandonedError`` the second time, and the errors
+        of ``complete_*`` for a plan that is not open.
+        """
+        plan = check_abandonable(
+            plan,
+            owner=self._owner,
+            open_plans=self._open_plans,
+            issued=self._next_plan_id,
+            abandoned=self._abandoned,
+        )
+        self._tally.abandoned_plans += 1
+        if plan.generation != self._generation:
+            self._abandoned[plan.plan_id] = ()  # a reset released everything it held
+        elif isinstance(plan, LoadPlan):
+            for key in plan.keys:
+                self._unpin(key)
+            self._abandoned[plan.plan_id] = ()
+        else:
+            dropped = [key for key in plan.keys if self._storing.get(key) == plan.plan_id]
+            slots = []
+            for key in dropped:
+                del self._storing[key]
+                slots.append(self._slot_of.pop(key))
+                self._policy.remove(key)
+            self._abandoned[plan.plan_id] = tuple(slots)
+            self._emit(BlocksRemoved(tuple(dropped), RemovalReason.STORE_FAILED))
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark ``keys`` recently used; the first key ends up the most recent."""
@@ -239,8 +328,10 @@ class OffloadManager:
         self._slot_of.clear()
         self._storing.clear()
         self._refs = _zeros(self._num_blocks)
-        self._freed.clear()
-        self._fresh = 0
+        # Abandoned stores' jobs may still write their slots: those stay quarantined.
+        quarantined = {slot for slots in self._abandoned.values() for slot in slots}
+        self._fresh = max(quarantined, default=-1) + 1
+        self._freed = [slot for slot in range(self._fresh) if slot not in quarantined]
         self._num_evictable = 0
         self._policy.clear()
         self._generation += 1
@@ -384,6 +475,7 @@ class OffloadManager:
     def _open(self, plan: PlanT) -> PlanT:
         self._next_plan_id += 1
         self._open_plans[plan.plan_id] = plan
+        self._opened_at[plan.plan_id] = self._clock()
         return plan
 
     def _close(self, plan: object, kind: type[PlanT]) -> PlanT:
@@ -395,15 +487,20 @@ class OffloadManager:
             issued=self._next_plan_id,
         )
         del self._open_plans[checked.plan_id]
+        del self._opened_at[checked.plan_id]
         return checked
 
     def _invariant_violations(self) -> list[str]:
         """Every invariant of DESIGN.md section 2 this manager breaks, in words."""
         problems: list[str] = []
         slots = list(self._slot_of.values())
-        every_slot = slots + self._freed
+        quarantined = [slot for held in self._abandoned.values() for slot in held]
+        every_slot = slots + self._freed + quarantined
         if len(set(every_slot)) != len(every_slot) or len(every_slot) != self._fresh:
-            problems.append(f"resident slots {slots} and freed {self._freed} overlap or leak")
+            problems.append(
+                f"resident slots {slots}, freed {self._freed} and quarantined {quarantined} "
+                "overlap or leak"
+            )
         if any(not 0 <= slot < self._fresh <= self._num_blocks for slot in every_slot):
             problems.append(f"a slot lies outside [0, {self._fresh}) or beyond the pool")
         freed = self._freed
@@ -429,12 +526,22 @@ class OffloadManager:
         in current load plans.
         """
         problems: list[str] = []
+        if self._opened_at.keys() != self._open_plans.keys():
+            problems.append("the open plans and their opening times disagree")
+        for plan_id, quarantine in self._abandoned.items():
+            abandoned = self._open_plans.get(plan_id)
+            if abandoned is None or (quarantine and not isinstance(abandoned, StorePlan)):
+                problems.append(f"abandoned plan {plan_id} is not an open store plan")
+            elif abandoned.generation == self._generation and not set(quarantine) <= set(
+                abandoned.block_ids
+            ):
+                problems.append(f"abandoned plan {abandoned!r} quarantines slots {quarantine}")
         expected_refs: dict[int, int] = {}
         for plan_id, plan in self._open_plans.items():
             if plan_id >= self._next_plan_id or plan.generation > self._generation:
                 problems.append(f"open plan {plan_id} was never issued")
-            if plan.generation != self._generation:
-                continue  # stale: a reset dropped everything it named
+            if plan.generation != self._generation or plan_id in self._abandoned:
+                continue  # stale or abandoned: it holds no block
             for key, slot in zip(plan.keys, plan.block_ids, strict=True):
                 if isinstance(plan, LoadPlan):
                     expected_refs[slot] = expected_refs.get(slot, 0) + 1
@@ -449,6 +556,7 @@ class OffloadManager:
                 key not in self._slot_of
                 or storing is None
                 or storing.generation != self._generation
+                or plan_id in self._abandoned
             ):
                 problems.append(f"{key!r} is pending on plan {plan_id}, which is not open now")
         refs = {slot: count for slot, count in enumerate(self._refs) if count}

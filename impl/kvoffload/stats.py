@@ -21,6 +21,7 @@ class Tally:
     rejected_stores: int = 0
     fast_fail_rejections: int = 0
     resets: int = 0
+    abandoned_plans: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,13 +29,17 @@ class ManagerStats:
     """A snapshot of ``OffloadManager.stats()``.
 
     Gauges (now): ``resident`` blocks (``pending`` + ``pinned`` + ``evictable``), ``free``
-    slots; ``resident + free == num_blocks``. Counters (since construction):
+    slots, ``quarantined`` slots (of abandoned stores whose jobs have not reported);
+    ``resident + free + quarantined == num_blocks``. ``stalled_plans``: open plans older
+    than the manager's ``stall_after`` (abandoned ones left out), holding ``stalled_pins``
+    pins and ``stalled_pending`` pending blocks; ``abandoned_open``: abandoned plans whose
+    completion is still due. Counters (since construction):
     ``lookup_hits`` / ``lookup_misses`` / ``lookup_pending`` by ``lookup`` result;
     ``blocks_stored`` made readable by a successful ``complete_store``; ``blocks_loaded`` by
     completed load plans (one per key occurrence); ``evictions``; ``failed_stores`` (blocks
     whose store job reported failure); ``rejected_stores`` (``prepare_store`` calls that
     returned None), of which ``fast_fail_rejections`` were refused in O(1) without asking the
-    policy; ``resets``.
+    policy; ``resets``; ``abandoned_plans``.
     """
 
     num_blocks: int
@@ -43,6 +48,11 @@ class ManagerStats:
     pinned: int
     evictable: int
     free: int
+    quarantined: int
+    stalled_plans: int
+    stalled_pins: int
+    stalled_pending: int
+    abandoned_open: int
     lookup_hits: int
     lookup_misses: int
     lookup_pending: int
@@ -53,6 +63,7 @@ class ManagerStats:
     rejected_stores: int
     fast_fail_rejections: int
     resets: int
+    abandoned_plans: int
 
     @property
     def hit_ratio(self) -> float:

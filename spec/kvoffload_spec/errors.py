@@ -43,3 +43,7 @@ class PlanAlreadyCompletedError(PlanError):
 
 class ForeignPlanError(PlanError):
     """The object is not a plan of this manager (another manager's, or the wrong kind)."""
+
+
+class PlanAlreadyAbandonedError(PlanError):
+    """The plan was abandoned before; abandon a plan once, then complete it once."""

@@ -21,6 +21,7 @@ from kvoffload_spec.policies import POLICY_NAMES, new_order
 from kvoffload_spec.state import SpecState, invariant_violations
 from kvoffload_spec.surface import Event, Key, LoadPlan, Lookup, PlanT, StorePlan, new_owner_id
 from kvoffload_spec.validation import (
+    check_abandonable,
     check_count,
     check_flag,
     check_key,
@@ -71,6 +72,11 @@ class OffloadModel:
     def num_evictable_blocks(self) -> int:
         return self.state.num_evictable
 
+    @property
+    def num_quarantined_blocks(self) -> int:
+        """Slots of abandoned stores whose jobs have not reported yet: not usable."""
+        return len(self.state.quarantined())
+
     def lookup(self, key: Key) -> Lookup:
         return self.state.lookup(check_key(key))
 
@@ -94,6 +100,22 @@ class OffloadModel:
 
     def complete_load(self, plan: LoadPlan) -> None:
         self.state.complete_load(self._open_plan(plan, LoadPlan))
+
+    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+        """Give up waiting for the job of ``plan`` (it stalled): a load's pins are released,
+        a store's keys become absent and its slots stay quarantined until ``complete_*``
+        reports the job over. The plan must still be completed once; that changes nothing
+        else. Raises ``PlanAlreadyAbandonedError`` the second time.
+        """
+        state = self.state
+        checked = check_abandonable(
+            plan,
+            owner=state.owner,
+            open_plans=state.open_plans,
+            issued=state.next_plan_id,
+            abandoned=state.abandoned,
+        )
+        state.abandon(checked)
 
     def touch(self, keys: Sequence[Key]) -> None:
         self.state.touch(check_keys(keys))

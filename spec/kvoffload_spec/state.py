@@ -15,6 +15,12 @@ Block states::
        |                                                   |    |   | complete_load: refs-1
        +----- evicted (only ready with refs == 0) ---------+----+
        +----- reset_cache (every state) -------------------+
+       +----- abandon (pending: its slot is quarantined) --+
+
+``abandon(plan)`` gives up waiting for a plan's job (one that stalled): a load's pins are
+released at once, a store's pending keys become absent at once, but the slots the store's
+job may still write are *quarantined* (neither free nor resident) until the plan's late
+completion says the job is over. So no slot is handed out while an old job might write it.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ class SpecState:
     offers: dict[Key, int] = field(default_factory=dict)  # least recently offered first
     events: list[Event] | None = None
     owner: int = 0
+    # abandoned plan id -> the slots it quarantines (those its store job may still write)
+    abandoned: dict[int, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def empty(
@@ -106,6 +114,10 @@ class SpecState:
         if block is None:
             return Lookup.MISS
         return Lookup.HIT if block.ready else Lookup.PENDING
+
+    def quarantined(self) -> list[int]:
+        """The slots abandoned store jobs may still write: neither free nor resident."""
+        return [slot for slots in self.abandoned.values() for slot in slots]
 
     def snapshot(self) -> str:
         """Everything a caller can observe, or a failed call could have disturbed."""
@@ -204,13 +216,20 @@ class SpecState:
         """The store job of ``plan`` finished.
 
         Pre: ``plan`` is open (issued by this state, not completed yet).
-        Post: the plan is closed. If it is stale (made before a reset) nothing else changed.
-        Otherwise each of its blocks that still belongs to it became ready with no refs
-        (success; the counter rose by one each) or absent with its slot free (failure).
+        Post: the plan is closed. If it was abandoned, the slots it quarantined are free
+        and nothing else changed (its job can no longer write them; ``success`` does not
+        matter: its keys were dropped when it was abandoned). Else, if it is stale (made
+        before a reset) nothing else changed. Otherwise each of its blocks that still
+        belongs to it became ready with no refs (success; the counter rose by one each) or
+        absent with its slot free (failure).
         """
         assert self.open_plans.get(plan.plan_id) == plan
         assert not invariant_violations(self)
         del self.open_plans[plan.plan_id]
+        if plan.plan_id in self.abandoned:
+            for slot in self.abandoned.pop(plan.plan_id):
+                self._release_slot(slot)
+            return
         if plan.generation != self.generation:
             return  # the ABA guard: these keys may have been stored again since the reset
         evictable_before = self.num_evictable
@@ -264,14 +283,17 @@ class SpecState:
         """The load job of ``plan`` finished: unpin what it pinned.
 
         Pre: ``plan`` is open.
-        Post: the plan is closed; unless it is stale, each key's refs fell by its number of
-        occurrences, and a block left with no refs is evictable again.
+        Post: the plan is closed; unless it is stale or was abandoned (which released its
+        pins already), each key's refs fell by its number of occurrences, and a block left
+        with no refs is evictable again.
         """
         assert self.open_plans.get(plan.plan_id) == plan
         assert not invariant_violations(self)
         del self.open_plans[plan.plan_id]
-        if plan.generation != self.generation:
-            return
+        if self.abandoned.pop(plan.plan_id, None) is None and plan.generation == self.generation:
+            self._unpin(plan)
+
+    def _unpin(self, plan: LoadPlan) -> None:
         # Pinned blocks cannot be evicted and only a reset (which makes the plan stale) drops
         # them, so every key of a current load plan is still resident and pinned.
         assert all(self.blocks[key].refs > 0 for key in plan.keys)
@@ -283,6 +305,35 @@ class SpecState:
                 self.num_evictable += 1
         released = sum(1 for key in set(plan.keys) if self.blocks[key].refs == 0)
         assert self.num_evictable == evictable_before + released
+
+    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+        """Give up waiting for the job of ``plan`` (it stalled): release what it holds now.
+
+        Pre: ``plan`` is open and not abandoned.
+        Post: the plan is still open (its job may still report: completing it is then
+        due, once) and abandoned. If it is stale nothing else changed. A current load
+        plan's pins were released, as by ``complete_load``. A current store plan's keys
+        (all still pending on it) are absent, as after a failed store, but their slots are
+        quarantined, not free: the job may still write them. No free slot changed.
+        """
+        assert self.open_plans.get(plan.plan_id) == plan
+        assert plan.plan_id not in self.abandoned
+        assert not invariant_violations(self)
+        free_before = list(self.free_slots)
+        quarantine: list[int] = []
+        dropped: list[Key] = []
+        if plan.generation == self.generation and isinstance(plan, LoadPlan):
+            self._unpin(plan)
+        elif plan.generation == self.generation:
+            dropped = [key for key in plan.keys if self._pending_on(key, plan.plan_id)]
+            for key in dropped:
+                quarantine.append(self.blocks.pop(key).slot)
+                self.order.remove(key)
+            self._emit(BlocksRemoved(tuple(dropped), RemovalReason.STORE_FAILED))
+        self.abandoned[plan.plan_id] = quarantine
+        assert self.free_slots == free_before
+        assert all(self.lookup(key) is Lookup.MISS for key in dropped)
+        assert self.open_plans.get(plan.plan_id) == plan
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark ``keys`` recently used; the first key ends up the most recent.
@@ -298,17 +349,20 @@ class SpecState:
     def reset_cache(self) -> None:
         """Drop every block; a new generation begins, making every open plan stale.
 
-        Post: every slot is free, nothing is evictable, the open plans are still open (each
-        must still be completed once; doing so changes nothing).
+        Post: every slot is free but the quarantined ones (an abandoned store job may
+        still write those), nothing is evictable, the open plans are still open (each must
+        still be completed once; doing so changes nothing but end a quarantine).
         """
         assert not invariant_violations(self)
         ready = sorted((k for k, b in self.blocks.items() if b.ready), key=self._slot_of)
         self._emit(BlocksRemoved(tuple(ready), RemovalReason.RESET))
         self.blocks.clear()
         self.order.clear()
-        self.free_slots = list(range(self.num_blocks))
+        quarantined = set(self.quarantined())
+        self.free_slots = [slot for slot in range(self.num_blocks) if slot not in quarantined]
         self.num_evictable = 0
         self.generation += 1
+        assert len(self.free_slots) + len(quarantined) == self.num_blocks
         assert all(plan.generation < self.generation for plan in self.open_plans.values())
 
 
@@ -325,17 +379,23 @@ def invariant_violations(state: SpecState) -> list[str]:
         )
     pending = sum(1 for b in blocks.values() if not b.ready)
     ready = len(blocks) - pending
-    if len(state.free_slots) + pending + ready != n:
+    quarantined = state.quarantined()
+    if len(state.free_slots) + pending + ready + len(quarantined) != n:
         problems.append(
-            f"free {len(state.free_slots)} + pending {pending} + ready {ready} != {n} blocks"
+            f"free {len(state.free_slots)} + pending {pending} + ready {ready} + quarantined "
+            f"{len(quarantined)} != {n} blocks"
         )
     slots = [b.slot for b in blocks.values()]
     if len(set(slots)) != len(slots):
         problems.append(f"resident keys share slots: {sorted(slots)}")
-    if any(not 0 <= s < n for s in slots + state.free_slots):
+    if any(not 0 <= s < n for s in slots + state.free_slots + quarantined):
         problems.append(f"a slot is outside [0, {n})")
     if set(slots) & set(state.free_slots) or state.free_slots != sorted(set(state.free_slots)):
         problems.append(f"free slots {state.free_slots} overlap resident ones or repeat")
+    if len(set(quarantined)) != len(quarantined) or set(quarantined) & set(
+        slots + state.free_slots
+    ):
+        problems.append(f"quarantined slots {quarantined} repeat or are free or resident")
     for key, b in blocks.items():
         if b.refs < 0 or (not b.ready and b.refs != 0):
             problems.append(f"{key!r} has refs {b.refs} while {'ready' if b.ready else 'pending'}")
@@ -344,6 +404,7 @@ def invariant_violations(state: SpecState) -> list[str]:
             not isinstance(plan, StorePlan)
             or plan.generation != state.generation
             or key not in plan.keys
+            or b.store_plan in state.abandoned
         ):
             problems.append(f"{key!r} is pending on plan {b.store_plan}, which is not open now")
     problems.extend(_plan_violations(state))
@@ -381,13 +442,19 @@ def _plan_violations(state: SpecState) -> list[str]:
     states (CrossHair) builds only those a history could reach.
     """
     problems: list[str] = []
+    for plan_id, quarantine in state.abandoned.items():
+        plan = state.open_plans.get(plan_id)
+        if plan is None or (quarantine and not isinstance(plan, StorePlan)):
+            problems.append(f"abandoned plan {plan_id} is not an open store plan: {plan!r}")
+        elif plan.generation == state.generation and not set(quarantine) <= set(plan.block_ids):
+            problems.append(f"abandoned plan {plan!r} quarantines slots {quarantine}")
     expected_refs: dict[Key, int] = {}
     for plan_id, plan in state.open_plans.items():
         if plan.plan_id != plan_id or len(plan.keys) != len(plan.block_ids):
             problems.append(f"open plan {plan_id} is malformed: {plan!r}")
             continue
-        if plan.generation != state.generation:
-            continue  # stale: a reset dropped everything it named
+        if plan.generation != state.generation or plan_id in state.abandoned:
+            continue  # stale or abandoned: it holds no block
         for key, slot in zip(plan.keys, plan.block_ids, strict=True):
             block = state.blocks.get(key)
             if isinstance(plan, StorePlan):

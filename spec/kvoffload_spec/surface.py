@@ -57,7 +57,7 @@ class LoadPlan:
 
 class RemovalReason(enum.Enum):
     EVICTED = "evicted"  # chosen by the policy to make room
-    STORE_FAILED = "store_failed"  # its store job reported failure; it never became readable
+    STORE_FAILED = "store_failed"  # its store job failed or was abandoned; never readable
     RESET = "reset"  # dropped by ``reset_cache``
 
 

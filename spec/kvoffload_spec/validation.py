@@ -6,12 +6,13 @@ so a public method runs all of its checks first and only then touches any state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import NoReturn
 
 from kvoffload_spec.errors import (
     ForeignPlanError,
     InvalidArgumentError,
+    PlanAlreadyAbandonedError,
     PlanAlreadyCompletedError,
     UnknownPolicyError,
 )
@@ -34,6 +35,15 @@ def check_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         _fail(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def check_seconds(name: str, value: object) -> float:
+    """A duration: a finite number of seconds > 0 (an int or a float, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not 0 < value < float("inf"):
+        _fail(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 def check_policy_name(policy: object, known: Sequence[str]) -> str:
@@ -79,3 +89,29 @@ def check_open_plan(
             raise ForeignPlanError(f"{kind.__name__} {plan.plan_id} was not issued like this")
         raise PlanAlreadyCompletedError(f"{kind.__name__} {plan.plan_id} was completed already")
     return plan
+
+
+def check_abandonable(
+    plan: object,
+    *,
+    owner: int,
+    open_plans: Mapping[int, StorePlan | LoadPlan],
+    issued: int,
+    abandoned: Container[int],
+) -> StorePlan | LoadPlan:
+    """``plan`` must be an open plan of this manager, of either kind, not abandoned yet."""
+    if not isinstance(plan, (StorePlan, LoadPlan)):
+        raise ForeignPlanError(f"expected a StorePlan or LoadPlan, got {type(plan).__name__}")
+    checked: StorePlan | LoadPlan
+    if isinstance(plan, StorePlan):
+        checked = check_open_plan(
+            plan, StorePlan, owner=owner, open_plans=open_plans, issued=issued
+        )
+    else:
+        checked = check_open_plan(plan, LoadPlan, owner=owner, open_plans=open_plans, issued=issued)
+    if checked.plan_id in abandoned:
+        raise PlanAlreadyAbandonedError(
+            f"{type(plan).__name__} {plan.plan_id} was abandoned already: complete it once "
+            "its job reports"
+        )
+    return checked
