@@ -18,6 +18,7 @@ from kvoffload_spec.errors import (
     ForeignPlanError,
     InvalidArgumentError,
     OffloadError,
+    PlanAlreadyAbandonedError,
     PlanAlreadyCompletedError,
     PlanError,
     UnknownPolicyError,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from kvoffload.transfer import JobResult as JobResult
     from kvoffload.transfer import KVLayout as KVLayout
     from kvoffload.transfer import TransferEngine as TransferEngine
+    from kvoffload.transfer import TransferTimeoutError as TransferTimeoutError
 
 # public name -> module that defines it; imported on first attribute access
 _LAZY: dict[str, str] = {
@@ -63,6 +65,7 @@ _LAZY: dict[str, str] = {
     "Offloader": "kvoffload.offloader",
     "PolicyContractError": "kvoffload.policies.base",
     "TransferEngine": "kvoffload.transfer",
+    "TransferTimeoutError": "kvoffload.transfer",
     "check_conformance": "kvoffload.conformance",
 }
 
@@ -87,6 +90,7 @@ __all__ = [
     "LoadPlan",
     "Lookup",
     "OffloadError",
+    "PlanAlreadyAbandonedError",
     "PlanAlreadyCompletedError",
     "PlanError",
     "RemovalReason",

@@ -3,24 +3,35 @@
 ``store`` and ``load`` ask the manager for a plan and submit its copy job; ``poll``
 completes in the manager the plans whose jobs finished (a failed store completes with
 ``success=False``, so its keys never become readable); ``reset`` waits for every job in
-flight before the manager forgets the pool, so no old copy can land in a reused slot.
-See docs/integration.md.
+flight before the manager forgets the pool, so no old copy can land in a reused slot. A job
+that seems never to finish can be ``abandon``-ed: the manager releases what its plan held
+without reusing a slot the job may still write (see docs/reliability.md).
+
+Every method may be called from any thread: one lock serializes them, so an engine's
+scheduler thread and the thread that polls may share an offloader. See docs/integration.md.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from kvoffload.transfer.engine import TransferEngine, as_block_ids, require_distinct
+from kvoffload.transfer.engine import (
+    TransferEngine,
+    TransferTimeoutError,
+    as_block_ids,
+    require_distinct,
+)
 from kvoffload.transfer.jobs import JobResult
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool, pool_size
 from kvoffload.transfer.runs import IdArray
-from kvoffload_spec.errors import InvalidArgumentError
+from kvoffload_spec.errors import InvalidArgumentError, PlanAlreadyAbandonedError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
-from kvoffload_spec.validation import check_count, check_keys
+from kvoffload_spec.validation import check_count, check_keys, check_seconds
 
 if TYPE_CHECKING:
     import torch
@@ -38,23 +49,30 @@ class BlockManager(Protocol):
     def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
     def prepare_load(self, keys: Sequence[Key]) -> LoadPlan: ...
     def complete_load(self, plan: LoadPlan) -> None: ...
+    def abandon(self, plan: StorePlan | LoadPlan) -> None: ...
     def touch(self, keys: Sequence[Key]) -> None: ...
     def reset_cache(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class Finished:
-    """A plan whose copy job finished; the manager has completed it already."""
+    """A plan whose copy job finished; the manager has completed it already.
+
+    ``abandoned``: the plan was abandoned before its job finished (late). Its keys were
+    dropped (a store) or its pins released (a load) at ``abandon``; from now on the job can
+    no longer touch its device blocks, which may be reused.
+    """
 
     plan: StorePlan | LoadPlan
     result: JobResult
+    abandoned: bool = False
 
     @property
     def ok(self) -> bool:
-        """False when the copy failed: a store's keys were dropped, a load's device blocks
-        hold undefined bytes and must be recomputed.
+        """False when the copy failed or the plan was abandoned: a store's keys were
+        dropped, a load's device blocks hold undefined bytes and must be recomputed.
         """
-        return self.result.ok
+        return self.result.ok and not self.abandoned
 
 
 class Offloader:
@@ -65,6 +83,8 @@ class Offloader:
     ``num_cpu_blocks`` blocks, or as many as ``cpu_bytes`` holds, or as many as ``manager``
     manages. Without ``manager``, an ``OffloadManager(num_blocks, policy)`` is built.
     ``threaded`` runs CPU jobs on worker threads (CUDA jobs always run on streams).
+    ``stall_after`` (seconds) is the age from which ``stalled()`` (and the built manager's
+    ``stats()``) counts a job in flight as stalled.
     """
 
     def __init__(
@@ -79,9 +99,11 @@ class Offloader:
         manager: BlockManager | None = None,
         prefault: bool = False,
         threaded: bool = False,
+        stall_after: float = 300.0,
     ) -> None:
         layout = KVLayout(kv_caches, block_dim)
         factor = check_count("block_size_factor", block_size_factor)
+        self._stall_after = check_seconds("stall_after", stall_after)
         block_bytes = factor * layout.bytes_per_block
         if manager is not None and num_cpu_blocks is None and cpu_bytes is None:
             num_cpu_blocks = manager.num_blocks
@@ -89,7 +111,7 @@ class Offloader:
         if manager is None:
             from kvoffload.manager import OffloadManager
 
-            manager = OffloadManager(count, policy)
+            manager = OffloadManager(count, policy, stall_after=stall_after)
         elif manager.num_blocks != count:
             raise InvalidArgumentError(
                 f"the manager manages {manager.num_blocks} blocks but the pool has {count}"
@@ -97,8 +119,13 @@ class Offloader:
         pool = CpuBlockPool(block_bytes, count, pin=layout.device.type == "cuda", prefault=prefault)
         self.engine = TransferEngine(layout, pool, block_size_factor=factor, threaded=threaded)
         self.manager = manager
+        # Every method runs under this lock (waits excepted): the manager and the job tables
+        # are not safe to share between threads, and a reset must not let a job start.
+        self._lock = threading.Lock()
         self._plans: dict[int, StorePlan | LoadPlan] = {}  # job id -> its plan, in flight
         self._job_of: dict[int, int] = {}  # plan id -> job id, in flight
+        self._submitted_at: dict[int, float] = {}  # job id -> time.monotonic(), in flight
+        self._abandoned: set[int] = set()  # job ids in flight whose plans were abandoned
 
     @property
     def block_size_factor(self) -> int:
@@ -110,11 +137,13 @@ class Offloader:
         return len(self._plans)
 
     def lookup(self, key: Key) -> Lookup:
-        return self.manager.lookup(key)
+        with self._lock:
+            return self.manager.lookup(key)
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark ``keys`` recently used (the first key ends up the most recent)."""
-        self.manager.touch(keys)
+        with self._lock:
+            self.manager.touch(keys)
 
     def store(self, keys: Sequence[Key], device_block_ids: BlockIds) -> StorePlan | None:
         """Offload: plan to store ``keys`` and submit the copy of their device blocks.
@@ -123,6 +152,10 @@ class Offloader:
         or None when the pool cannot make room, and then nothing changed. The device blocks
         must not be overwritten until ``poll`` reports the plan finished.
         """
+        with self._lock:
+            return self._store(keys, device_block_ids)
+
+    def _store(self, keys: Sequence[Key], device_block_ids: BlockIds) -> StorePlan | None:
         self.engine.require_open()
         keys = check_keys(keys)
         device = self._device_ids(device_block_ids, len(keys))
@@ -145,6 +178,10 @@ class Offloader:
         the job finishes. Raises ``BlockNotFoundError``/``BlockPendingError`` when a key is
         not ready, and then nothing changed.
         """
+        with self._lock:
+            return self._load(keys, device_block_ids)
+
+    def _load(self, keys: Sequence[Key], device_block_ids: BlockIds) -> LoadPlan:
         self.engine.require_open()
         keys = check_keys(keys)
         device = self._device_ids(device_block_ids, len(keys))
@@ -160,48 +197,103 @@ class Offloader:
 
     def poll(self) -> list[Finished]:
         """Complete, in the manager, every plan whose job finished since the last poll."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> list[Finished]:
         finished = []
         for result in self.engine.poll():
-            plan = self._plans.pop(result.job_id)
-            del self._job_of[plan.plan_id]
+            job = result.job_id
+            plan = self._plans.pop(job)
+            del self._job_of[plan.plan_id], self._submitted_at[job]
+            abandoned = job in self._abandoned
+            self._abandoned.discard(job)
             if isinstance(plan, StorePlan):
                 self.manager.complete_store(plan, success=result.ok)
             else:
                 self.manager.complete_load(plan)
-            finished.append(Finished(plan, result))
+            finished.append(Finished(plan, result, abandoned))
         return finished
 
-    def wait(self, plans: Sequence[StorePlan | LoadPlan] | None = None) -> None:
-        """Block until the jobs of ``plans`` (default: all in flight) finished; ``poll``
-        then completes them.
+    def wait(
+        self, plans: Sequence[StorePlan | LoadPlan] | None = None, timeout: float | None = None
+    ) -> bool:
+        """Block until the jobs of ``plans`` (default: all in flight but the abandoned ones)
+        finished, or ``timeout`` seconds passed; True if they all finished. ``poll`` then
+        completes them. Other threads may use the offloader meanwhile.
         """
-        if plans is None:
-            self.engine.wait()
-            return
-        self.engine.wait([self._job(plan) for plan in plans])
+        with self._lock:
+            jobs = self._unabandoned() if plans is None else [self._job(p) for p in plans]
+        return self.engine.wait(jobs, timeout)
 
     def stream_wait(self, plan: LoadPlan, stream: torch.cuda.Stream | None = None) -> None:
         """Make later work on ``stream`` (default: current) wait for ``plan``'s copy, so a
         forward pass can read loaded blocks without the host waiting (CUDA); on the CPU
         this waits for the job.
         """
-        self.engine.stream_wait(self._job(plan), stream)
+        with self._lock:
+            job = self._job(plan)
+        self.engine.stream_wait(job, stream)
 
-    def reset(self) -> list[Finished]:
-        """Wait for every job in flight, complete their plans, then empty the pool.
-
-        Returns the plans that finished meanwhile, so that no completion is lost.
+    def stalled(self, older_than: float | None = None) -> list[StorePlan | LoadPlan]:
+        """The plans in flight, not abandoned, submitted more than ``older_than`` seconds
+        ago (default: ``stall_after``), oldest first: the candidates for ``abandon``.
         """
-        self.engine.wait()
-        finished = self.poll()
-        self.manager.reset_cache()
-        return finished
+        age = self._stall_after if older_than is None else check_seconds("older_than", older_than)
+        with self._lock:
+            cutoff = time.monotonic() - age
+            return [
+                self._plans[job]
+                for job, submitted in self._submitted_at.items()
+                if submitted <= cutoff and job not in self._abandoned
+            ]
 
-    def close(self) -> None:
-        """Wait for and complete every job, then release the engine and its pool."""
-        self.engine.wait()
-        self.poll()
-        self.engine.close()
+    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+        """Give up waiting for the job of ``plan`` (it stalled): the manager releases what
+        the plan holds now, safely (see ``OffloadManager.abandon``: a store's slots stay
+        quarantined until the job reports). ``poll`` reports the job when it ends, as
+        ``Finished(..., abandoned=True)``; until then a load's device blocks may still be
+        written: do not reuse them before. ``reset`` no longer waits for the job.
+        """
+        with self._lock:
+            job = self._job(plan)
+            if job in self._abandoned:
+                raise PlanAlreadyAbandonedError(f"{plan!r} was abandoned already")
+            self.manager.abandon(plan)
+            self._abandoned.add(job)
+
+    def reset(self, timeout: float | None = None) -> list[Finished]:
+        """Wait for every job in flight but the abandoned ones, complete their plans, then
+        empty the pool (abandoned stores' slots stay quarantined until their jobs end).
+
+        Returns the plans that finished meanwhile, so that no completion is lost. Raises
+        ``TransferTimeoutError``, having changed nothing, if the jobs did not finish within
+        ``timeout`` seconds: ``abandon`` the ``stalled()`` ones and reset again. No job
+        starts while a reset waits.
+        """
+        with self._lock:
+            if not self.engine.wait(self._unabandoned(), timeout):
+                raise TransferTimeoutError(
+                    f"jobs in flight did not finish within {timeout} s: nothing was reset; "
+                    "abandon the stalled() plans, then reset again"
+                )
+            finished = self._poll()
+            self.manager.reset_cache()
+            return finished
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for and complete every job (abandoned ones too: their copies address the
+        pool), then release the engine and its pool. Raises ``TransferTimeoutError``, having
+        changed nothing, if the jobs did not finish within ``timeout`` seconds.
+        """
+        with self._lock:
+            if not self.engine.wait(list(self._plans), timeout):
+                raise TransferTimeoutError(
+                    f"jobs in flight did not finish within {timeout} s: the offloader is "
+                    "still open (a job that never ends keeps the pool alive)"
+                )
+            self._poll()
+            self.engine.close()
 
     def __enter__(self) -> Offloader:
         return self
@@ -221,6 +313,10 @@ class Offloader:
     def _track(self, plan: StorePlan | LoadPlan, job: int) -> None:
         self._plans[job] = plan
         self._job_of[plan.plan_id] = job
+        self._submitted_at[job] = time.monotonic()
+
+    def _unabandoned(self) -> list[int]:
+        return [job for job in self._plans if job not in self._abandoned]
 
     def _job(self, plan: StorePlan | LoadPlan) -> int:
         job = self._job_of.get(getattr(plan, "plan_id", -1))

@@ -96,6 +96,11 @@ class TimedManager:
         self.inner.complete_load(plan)
         self._timed("complete_load", started)
 
+    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+        started = time.perf_counter_ns()
+        self.inner.abandon(plan)
+        self._timed("abandon", started)
+
     def touch(self, keys: Sequence[Key]) -> None:
         started = time.perf_counter_ns()
         self.inner.touch(keys)

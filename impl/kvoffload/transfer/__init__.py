@@ -3,7 +3,7 @@
 Importing this package imports torch; ``import kvoffload`` alone does not.
 """
 
-from kvoffload.transfer.engine import EngineClosedError, TransferEngine
+from kvoffload.transfer.engine import EngineClosedError, TransferEngine, TransferTimeoutError
 from kvoffload.transfer.jobs import Direction, FaultHook, JobResult
 from kvoffload.transfer.layout import KVLayout, Segment
 from kvoffload.transfer.pool import CpuBlockPool, PoolTooLargeError
@@ -18,4 +18,5 @@ __all__ = [
     "PoolTooLargeError",
     "Segment",
     "TransferEngine",
+    "TransferTimeoutError",
 ]

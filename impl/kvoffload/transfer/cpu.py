@@ -64,13 +64,13 @@ class CpuBackend:
             self._done.clear()
         return finished
 
-    def wait(self, job_ids: Collection[int]) -> None:
+    def wait(self, job_ids: Collection[int], timeout: float | None = None) -> bool:
         with self._changed:
-            self._changed.wait_for(lambda: self._running.isdisjoint(job_ids))
+            return self._changed.wait_for(lambda: self._running.isdisjoint(job_ids), timeout)
 
-    def wait_all(self) -> None:
+    def wait_all(self, timeout: float | None = None) -> bool:
         with self._changed:
-            self._changed.wait_for(lambda: not self._running)
+            return self._changed.wait_for(lambda: not self._running, timeout)
 
     def close(self) -> None:
         """Let queued jobs finish, then stop the workers (idempotent)."""

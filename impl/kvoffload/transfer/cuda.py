@@ -13,8 +13,9 @@ type-checked. Ordering, which is what keeps bytes right:
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,15 +111,26 @@ class CudaBackend:
                 finished.append(self._finish(flights.popleft()))
         return finished
 
-    def wait(self, job_ids: Collection[int]) -> None:
-        for job_id in job_ids:
-            flight = self._by_id.get(job_id)
-            if flight is not None:
-                flight.end.synchronize()
+    def wait(self, job_ids: Collection[int], timeout: float | None = None) -> bool:
+        flights = [flight for job in job_ids if (flight := self._by_id.get(job)) is not None]
+        if timeout is not None:
+            ends = [flight.end for flight in flights]
 
-    def wait_all(self) -> None:
-        for stream in self._streams.values():
+            def ended() -> bool:
+                return all(end.query() for end in ends)  # type: ignore[no-untyped-call]
+
+            return _until(ended, timeout)
+        for flight in flights:
+            flight.end.synchronize()
+        return True
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        streams = list(self._streams.values())
+        if timeout is not None:
+            return _until(lambda: all(stream.query() for stream in streams), timeout)
+        for stream in streams:
             stream.synchronize()
+        return True
 
     def stream_wait(self, job_id: int, stream: torch.cuda.Stream) -> None:
         flight = self._by_id.get(job_id)
@@ -143,3 +155,15 @@ class CudaBackend:
         if flight.error is not None:
             return JobResult(job.job_id, job.direction, False, 0, seconds, flight.error)
         return JobResult(job.job_id, job.direction, True, job.nbytes, seconds)
+
+
+def _until(done: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``done`` until it holds or ``timeout`` seconds passed (CUDA has no timed
+    synchronize; a millisecond's sleep keeps the host from spinning).
+    """
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True

@@ -20,7 +20,7 @@ from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool
 from kvoffload.transfer.runs import BlockMapping, IdArray
 from kvoffload_spec.errors import InvalidArgumentError, OffloadError
-from kvoffload_spec.validation import check_count, check_flag
+from kvoffload_spec.validation import check_count, check_flag, check_seconds
 
 if TYPE_CHECKING:
     import torch
@@ -35,13 +35,17 @@ class EngineClosedError(OffloadError):
     """The engine was closed; it accepts no more jobs."""
 
 
+class TransferTimeoutError(OffloadError):
+    """Jobs did not finish in the time given (stalled?): nothing was changed."""
+
+
 class Backend(Protocol):
     hook: FaultHook | None
 
     def submit(self, job: Job) -> None: ...
     def poll(self) -> list[JobResult]: ...
-    def wait(self, job_ids: Sequence[int]) -> None: ...
-    def wait_all(self) -> None: ...
+    def wait(self, job_ids: Sequence[int], timeout: float | None = None) -> bool: ...
+    def wait_all(self, timeout: float | None = None) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -129,14 +133,14 @@ class TransferEngine:
         """The jobs that finished since the last poll, each reported once."""
         return self._backend.poll()
 
-    def wait(self, job_ids: Iterable[int] | None = None) -> None:
-        """Block until these jobs (default: all submitted) have finished; ``poll`` still
-        reports them.
+    def wait(self, job_ids: Iterable[int] | None = None, timeout: float | None = None) -> bool:
+        """Block until these jobs (default: all submitted) have finished, or ``timeout``
+        seconds passed; True if they all finished. ``poll`` still reports them.
         """
+        seconds = None if timeout is None else check_seconds("timeout", timeout)
         if job_ids is None:
-            self._backend.wait_all()
-            return
-        self._backend.wait(self._issued_ids(job_ids))
+            return self._backend.wait_all(seconds)
+        return self._backend.wait(self._issued_ids(job_ids), seconds)
 
     def stream_wait(self, job_id: int, stream: torch.cuda.Stream | None = None) -> None:
         """Make work queued later on ``stream`` (default: the current one) start after the
