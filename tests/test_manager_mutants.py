@@ -10,6 +10,8 @@ policy interface allows; and the invariant checker against corrupted managers.
 from __future__ import annotations
 
 import itertools
+import re
+from collections.abc import Callable
 
 import pytest
 from hypothesis import strategies as st
@@ -23,7 +25,9 @@ from hypothesis.stateful import (
 
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
+from kvoffload.policies.loading import resolve_policy
 from kvoffload.policies.lru import LruPolicy
+from kvoffload_spec.errors import UnknownPolicyError
 from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
 from kvoffload_spec.surface import Key
 
@@ -207,3 +211,115 @@ def test_victims_in_every_small_state_are_the_spec_victims(name: str) -> None:
             for need, protected in itertools.product((1, 2, 3), ((), (0,), (1, 3))):
                 expected = spec_victims(order, need, evictable - set(protected))
                 assert policy.choose_victims(need, protected) == expected, (fates, target)
+
+
+# -- ARC's target after ghost hits, against the spec -------------------------------------------
+
+
+def ghosts(policy: ArcPolicy, order: ArcOrder, in_b1: int, in_b2: int) -> tuple[Key, Key]:
+    """Make ``in_b2`` ghosts of T2 keys, then ``in_b1`` of T1 keys, through the interface;
+    returns a key of each list (or -1).
+    """
+    keys = iter(range(100))
+
+    def store(count: int, *, twice: bool) -> list[Key]:
+        stored: list[Key] = [next(keys) for _ in range(count)]
+        for key in stored:
+            policy.insert(key)
+            order.insert(key)
+            policy.mark_evictable(key)
+        if twice:
+            policy.touch(stored, lambda _: True)
+            order.touch(stored, lambda _: True)
+        victims = policy.choose_victims(count, ())
+        assert victims is not None and victims == order.choose_victims(count, lambda _: True)
+        policy.evict(victims)
+        for victim in victims:
+            order.evicted(victim)
+        return stored
+
+    from_t2 = store(in_b2, twice=True)
+    from_t1 = store(in_b1, twice=False)
+    return (from_t1[0] if from_t1 else -1), (from_t2[0] if from_t2 else -1)
+
+
+@pytest.mark.parametrize(("in_b1", "in_b2"), itertools.product(range(CAPACITY + 1), repeat=2))
+def test_ghost_hits_move_the_target_as_the_spec_does(in_b1: int, in_b2: int) -> None:
+    for start in range(CAPACITY + 1):
+        for hit_b1 in (True, False):
+            policy, order = ArcPolicy(CAPACITY), ArcOrder(CAPACITY)
+            b1_key, b2_key = ghosts(policy, order, in_b1, in_b2)
+            policy.p = order.p = float(start)
+            ghost = b1_key if hit_b1 else b2_key
+            policy.touch([ghost], lambda _: False)
+            order.touch([ghost], lambda _: False)
+            assert policy.p == order.p, (in_b1, in_b2, start, hit_b1)
+            assert policy.lists() == (order.t1, order.t2, order.b1, order.b2)
+
+
+# -- what check_invariants says about a broken policy --------------------------------------------
+
+
+def arc_with(fates: dict[Key, str]) -> ArcPolicy:
+    policy = ArcPolicy(CAPACITY)
+    built(policy, ArcOrder(CAPACITY), tuple(fates.get(key, "absent") for key in range(4)))
+    return policy
+
+
+def evictable_in(fates: dict[Key, str]) -> Callable[[Key], bool]:
+    return lambda key: fates.get(key) in ("T1", "T2")
+
+
+def test_arc_reports_its_list_sizes() -> None:
+    fates: dict[Key, str] = {0: "T1", 1: "T2"}
+    policy = arc_with(fates)
+    policy._t1_size += 1
+    assert [p for p in policy.check_invariants(evictable_in(fates)) if "ARC sizes" in p]
+
+
+@pytest.mark.parametrize(
+    ("fates", "wrong", "named"),
+    [
+        ({0: "T1 pinned", 1: "T2"}, 0, "evictable T1"),
+        ({0: "T1", 1: "T2 pinned"}, 1, "evictable T2"),
+    ],
+)
+def test_arc_names_the_list_whose_evictable_keys_disagree(
+    fates: dict[Key, str], wrong: Key, named: str
+) -> None:
+    policy = arc_with(fates)
+    claims = evictable_in({**fates, wrong: "T1"})  # the manager thinks ``wrong`` is evictable
+    assert [p for p in policy.check_invariants(claims) if f"ARC's {named} is" in p]
+
+
+def test_repeated_stamps_are_reported() -> None:
+    fates: dict[Key, str] = {0: "T1", 1: "T1"}
+    arc = arc_with(fates)
+    arc._codes[1] = arc._codes[0]
+    assert "ARC stamps repeat" in arc.check_invariants(evictable_in(fates))
+    lru = LruPolicy(CAPACITY)
+    built(lru, LruOrder(), ("T1", "T1", "absent", "absent"))
+    lru._stamps[1] = lru._stamps[0]
+    assert "LRU stamps repeat" in lru.check_invariants(evictable_in(fates))
+
+
+# -- what resolve_policy says when it cannot ---------------------------------------------------
+
+
+class Incomplete(EvictionPolicy):
+    """Implements nothing: abstract."""
+
+
+@pytest.mark.parametrize(
+    ("policy", "says"),
+    [
+        ("kvoffload.no_such_module:Policy", "cannot import 'kvoffload.no_such_module'"),
+        ("kvoffload.policies:NoSuchPolicy", "'kvoffload.policies' has no 'NoSuchPolicy'"),
+        ("kvoffload.policies:LruPolicy:extra", "'kvoffload.policies' has no 'LruPolicy:extra'"),
+        ("kvoffload.policies:BUILTIN_POLICIES", "is not an EvictionPolicy subclass"),
+        (Incomplete, "leaves abstract methods unimplemented"),
+    ],
+)
+def test_an_unusable_policy_is_refused_with_the_reason(policy: object, says: str) -> None:
+    with pytest.raises(UnknownPolicyError, match=re.escape(says)):
+        resolve_policy(policy)
