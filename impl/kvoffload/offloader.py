@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvoffload.transfer.engine import (
     TransferEngine,
@@ -27,7 +27,7 @@ from kvoffload.transfer.engine import (
 )
 from kvoffload.transfer.jobs import JobResult
 from kvoffload.transfer.layout import KVLayout
-from kvoffload.transfer.pool import CpuBlockPool, pool_size
+from kvoffload.transfer.pool import CpuBlockPool, pool_size, require_memory
 from kvoffload.transfer.runs import IdArray
 from kvoffload_spec.errors import InvalidArgumentError, PlanAlreadyAbandonedError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from kvoffload.transfer.engine import BlockIds
 
 
+@runtime_checkable
 class BlockManager(Protocol):
     """The manager surface the facade drives (``OffloadManager`` and the spec's model)."""
 
@@ -105,9 +106,15 @@ class Offloader:
         factor = check_count("block_size_factor", block_size_factor)
         self._stall_after = check_seconds("stall_after", stall_after)
         block_bytes = factor * layout.bytes_per_block
+        if manager is not None and not isinstance(manager, BlockManager):
+            raise InvalidArgumentError(
+                f"manager must be an OffloadManager (or have its methods), got {manager!r}"
+            )
         if manager is not None and num_cpu_blocks is None and cpu_bytes is None:
             num_cpu_blocks = manager.num_blocks
         count = pool_size(block_bytes, num_cpu_blocks, cpu_bytes)
+        # Before the manager, which allocates per block: a huge pool must fail typed.
+        require_memory(count * block_bytes, f"a CPU pool of {count} blocks x {block_bytes} bytes")
         if manager is None:
             from kvoffload.manager import OffloadManager
 
@@ -222,6 +229,8 @@ class Offloader:
         finished, or ``timeout`` seconds passed; True if they all finished. ``poll`` then
         completes them. Other threads may use the offloader meanwhile.
         """
+        if plans is not None and not isinstance(plans, (list, tuple)):
+            raise InvalidArgumentError(f"plans must be a list of plans, got {plans!r}")
         with self._lock:
             jobs = self._unabandoned() if plans is None else [self._job(p) for p in plans]
         return self.engine.wait(jobs, timeout)
@@ -319,7 +328,10 @@ class Offloader:
         return [job for job in self._plans if job not in self._abandoned]
 
     def _job(self, plan: StorePlan | LoadPlan) -> int:
-        job = self._job_of.get(getattr(plan, "plan_id", -1))
-        if job is None or self._plans[job] != plan:
-            raise InvalidArgumentError(f"{plan!r} is not in flight in this offloader")
+        job = self._job_of.get(plan.plan_id) if isinstance(plan, (StorePlan, LoadPlan)) else None
+        if job is None or self._plans[job] != plan or self._plans[job].owner != plan.owner:
+            raise InvalidArgumentError(
+                f"{plan!r} is not in flight in this offloader: pass a plan its store or load "
+                "returned that poll has not reported yet"
+            )
         return job

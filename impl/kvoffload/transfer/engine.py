@@ -208,6 +208,8 @@ class TransferEngine:
         return job_id
 
     def _issued_ids(self, job_ids: Iterable[int]) -> list[int]:
+        if not isinstance(job_ids, (list, tuple, range, set, frozenset)):
+            raise InvalidArgumentError(f"job ids must be a list of ints, got {job_ids!r}")
         ids = list(job_ids)
         for job_id in ids:
             if isinstance(job_id, bool) or not isinstance(job_id, int):

@@ -48,6 +48,13 @@ class KVLayout:
             raise InvalidArgumentError("kv_caches must be a non-empty list of tensors")
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise InvalidArgumentError("kv_caches must hold torch tensors only")
+        for index, tensor in enumerate(tensors):
+            if tensor.layout != torch.strided or tensor.is_nested:
+                kind = "nested" if tensor.is_nested else str(tensor.layout)
+                raise InvalidArgumentError(
+                    f"tensor {index} is {kind}: KV caches must be dense tensors "
+                    "(torch.strided); pass the engine's own cache tensors"
+                )
         dims = _block_dims(block_dim, len(tensors))
         device = tensors[0].device
         if any(t.device != device for t in tensors):
@@ -77,8 +84,12 @@ class KVLayout:
 
 
 def _block_dims(block_dim: int | Sequence[int], count: int) -> tuple[int, ...]:
-    dims = (block_dim,) * count if isinstance(block_dim, int) else tuple(block_dim)
-    if len(dims) != count or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+    if isinstance(block_dim, int):
+        given: tuple[object, ...] = (block_dim,) * count
+    else:
+        given = tuple(block_dim) if isinstance(block_dim, (list, tuple)) else ()
+    dims = tuple(d for d in given if isinstance(d, int) and not isinstance(d, bool))
+    if len(dims) != count or len(given) != count:
         raise InvalidArgumentError(
             f"block_dim must be an int or one int per tensor ({count}), got {block_dim!r}"
         )

@@ -51,6 +51,16 @@ def pool_size(block_bytes: int, num_blocks: int | None, budget_bytes: int | None
     return budget // block_bytes
 
 
+def require_memory(nbytes: int, what: str) -> None:
+    """Refuse, before anything is allocated, a pool larger than this machine's memory."""
+    available = machine_memory_bytes()
+    if nbytes > available:
+        raise PoolTooLargeError(
+            f"{what} = {nbytes / 2**30:.1f} GiB exceeds this machine's memory "
+            f"({available / 2**30:.1f} GiB): give fewer num_cpu_blocks or a smaller cpu_bytes"
+        )
+
+
 class CpuBlockPool:
     """``num_blocks`` CPU blocks of ``block_bytes`` each, in one page-aligned allocation.
 
@@ -72,12 +82,7 @@ class CpuBlockPool:
         check_flag("pin", pin)
         check_flag("prefault", prefault)
         nbytes = count * block_bytes
-        available = machine_memory_bytes()
-        if nbytes > available:
-            raise PoolTooLargeError(
-                f"a CPU pool of {count} blocks x {block_bytes} bytes = {nbytes / 2**30:.1f} "
-                f"GiB exceeds this machine's memory ({available / 2**30:.1f} GiB)"
-            )
+        require_memory(nbytes, f"a CPU pool of {count} blocks x {block_bytes} bytes")
         if pin:
             from kvoffload.transfer.cuda import require_cuda
 
