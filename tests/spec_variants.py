@@ -140,10 +140,7 @@ VARIANTS = (
         "complete_load of a plan made before a reset unpins the blocks stored since under "
         "the same keys, so a block being read can be evicted and overwritten",
         (
-            (
-                "        if plan.generation != self.generation:\n            return\n        # P",
-                "        # P",
-            ),
+            (" is None and plan.generation == self.generation:\n", " is None:\n"),
             (
                 "block = self.blocks[key]\n            block.refs -= 1",
                 "block = self.blocks.get(key, Block(-1))\n            block.refs -= 1",
@@ -160,10 +157,31 @@ VARIANTS = (
         "complete_load forgets to close its plan, so completing it twice unpins twice",
         (
             (
-                "        del self.open_plans[plan.plan_id]\n"
-                "        if plan.generation != self.generation:\n            return\n",
-                "        if plan.generation != self.generation:\n            return\n",
+                "        del self.open_plans[plan.plan_id]\n        if self.abandoned.pop(",
+                "        if self.abandoned.pop(",
             ),
         ),
+    ),
+    Variant(
+        "abandon_frees_slots",
+        "abandon frees a stalled store's slots at once, though its job may still write them",
+        (
+            (
+                "quarantine.append(self.blocks.pop(key).slot)",
+                "self._release_slot(self.blocks.pop(key).slot)",
+            ),
+        ),
+        crosshair="ArcContracts.check_abandon",
+    ),
+    Variant(
+        "reset_ends_quarantine",
+        "reset_cache frees every slot, the quarantined ones included",
+        (
+            (
+                "[slot for slot in range(self.num_blocks) if slot not in quarantined]",
+                "list(range(self.num_blocks))",
+            ),
+        ),
+        crosshair="LruContracts.check_reset_cache",
     ),
 )

@@ -45,7 +45,7 @@ class Bounds:
 
 GATE_BOUNDS = (
     Bounds(blocks=2, keys=3, depth=5),  # wide: eviction choices, protection, pins
-    Bounds(blocks=1, keys=2, depth=9),  # deep: resets, stale plans, re-stored keys
+    Bounds(blocks=1, keys=2, depth=7),  # deep: resets, stale and abandoned plans
     Bounds(blocks=2, keys=3, depth=4, threshold=2),  # the offer tracker
 )
 
@@ -121,6 +121,10 @@ class Delegate:
     def num_evictable_blocks(self) -> int:
         return self.inner.num_evictable_blocks
 
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return self.inner.num_quarantined_blocks
+
     def lookup(self, key: Key) -> Lookup:
         return self.inner.lookup(key)
 
@@ -135,6 +139,9 @@ class Delegate:
 
     def complete_load(self, plan: LoadPlan) -> None:
         self.inner.complete_load(plan)
+
+    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+        self.inner.abandon(plan)
 
     def touch(self, keys: Sequence[Key]) -> None:
         self.inner.touch(keys)

@@ -3,30 +3,32 @@
 Breadth first from a fresh system, :func:`explore` applies every operation with every
 argument from a small alphabet: ``prepare_store``, ``prepare_load`` and ``touch`` of every
 ordering of every subset of the keys (and of the empty list, the first key twice, and a
-list with an unhashable key), ``reset_cache``, and the completion of every plan still held,
-successful or failed, stale ones after a reset included; each completion is then tried a
-second time. States are canonicalised (plan ids and generations renamed, since only
-"current or stale" of a plan matters), so each is expanded once. After every call it
-checks, by families (see :data:`CHECKS`):
+list with an unhashable key), ``reset_cache``, and, for every plan still held (stale ones
+after a reset included), its completion, successful or failed and tried a second time at
+once, and ``abandon``, which gives up on a stalled job. States are canonicalised (plan ids
+and generations renamed, since only "current or stale" of a plan matters), so each is
+expanded once. After every call it checks, by families (see :data:`CHECKS`):
 
 ``invariants``
     the system's own ``check_invariants()``.
 ``model``
     what the plans handed out so far predict, whatever the eviction policy: each key's
-    lookup, the free and evictable counts; a refused ``prepare_store`` only when the
-    candidates cannot fit in the free blocks plus the blocks that are ready, unpinned and
-    outside the call; a store plan's candidates in call order, its victims evictable and
-    not in the call, its slots the lowest free ones; a load of a key that is not ready
-    refused with the right error, else planned on the key's own slot.
+    lookup, the free, evictable and quarantined counts; a refused ``prepare_store`` only
+    when the candidates cannot fit in the free blocks plus the blocks that are ready,
+    unpinned and outside the call; a store plan's candidates in call order, its victims
+    evictable and not in the call, its slots the lowest free ones; a load of a key that is
+    not ready refused with the right error, else planned on the key's own slot.
 ``events``
     the events emitted are those of the call.
 ``unchanged``
     a call that raised, a refused store (its offer tracker aside) and a stale completion
-    change nothing; a second completion of a plan raises ``PlanAlreadyCompletedError``.
+    change nothing; a second completion of a plan raises ``PlanAlreadyCompletedError``, a
+    second ``abandon`` ``PlanAlreadyAbandonedError``.
 ``data``
     a shadow of the CPU pool records whose bytes each slot holds (written when a store job
     completes; a reset fences the jobs issued before it); every load reads its own key's
-    bytes, at the start and at the end of the read, and no store writes a slot being read.
+    bytes, at the start and at the end of the read; no store writes a slot being read, nor
+    one an abandoned store job may still write.
 
 An argument list with an unhashable key must raise ``InvalidArgumentError``, always. The
 first violation stops the search; breadth first makes its counterexample a shortest one.
@@ -34,7 +36,7 @@ first violation stops the search; breadth first makes its counterexample a short
 >>> from kvoffload_spec import OffloadModel
 >>> report = explore(lambda: OffloadModel(1, enable_events=True), keys=("a",), depth=3)
 >>> report.ok, report.complete, report.states
-(True, True, 39)
+(True, True, 54)
 
 From the command line: ``python -m kvoffload_spec.explore --policy arc --blocks 2 --keys 3
 --depth 4``.
@@ -59,10 +61,11 @@ from kvoffload_spec.errors import (
     BlockNotReadyError,
     BlockPendingError,
     InvalidArgumentError,
+    PlanAlreadyAbandonedError,
     PlanAlreadyCompletedError,
 )
 from kvoffload_spec.model import OffloadModel
-from kvoffload_spec.policies import POLICY_NAMES, ArcOrder, PolicyOrder
+from kvoffload_spec.policies import POLICY_NAMES, ArcOrder
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -88,11 +91,14 @@ class System(Protocol):
     def num_free_blocks(self) -> int: ...
     @property
     def num_evictable_blocks(self) -> int: ...
+    @property
+    def num_quarantined_blocks(self) -> int: ...
     def lookup(self, key: Key) -> Lookup: ...
     def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None: ...
     def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
     def prepare_load(self, keys: Sequence[Key]) -> LoadPlan: ...
     def complete_load(self, plan: LoadPlan) -> None: ...
+    def abandon(self, plan: StorePlan | LoadPlan) -> None: ...
     def touch(self, keys: Sequence[Key]) -> None: ...
     def reset_cache(self) -> None: ...
     def take_events(self) -> list[Event]: ...
@@ -141,7 +147,10 @@ def model_fingerprint(model: OffloadModel, plan_names: Mapping[int, int]) -> Fin
         )
     else:
         lists = (tuple(order.order),)
-    cache = (tuple(blocks), tuple(state.free_slots), state.num_evictable, lists)
+    abandoned = sorted(
+        (_renamed(plan_id, plan_names), tuple(slots)) for plan_id, slots in state.abandoned.items()
+    )
+    cache = (tuple(blocks), tuple(state.free_slots), state.num_evictable, lists, tuple(abandoned))
     return Fingerprint(cache, tuple(state.offers.items()))
 
 
@@ -159,23 +168,24 @@ def _renamed(plan_id: int | None, plan_names: Mapping[int, int]) -> int | None:
 
 
 def clone_model(model: OffloadModel) -> OffloadModel:
-    """A deep copy of the reference model, four times faster than ``copy.deepcopy``: plans,
-    events and keys are immutable, so the copy shares them and copies only the containers
-    and blocks. A field it does not know is deep-copied."""
+    """A deep copy of the reference model, several times faster than ``copy.deepcopy``:
+    plans, events and keys are immutable, so the copy shares them and copies only the
+    containers, the blocks and the order. A field it does not know is deep-copied."""
     state = model.state
-    twin = copy.copy(state)
-    for spec_field in dataclasses.fields(state):
-        value = getattr(state, spec_field.name)
-        if spec_field.name == "blocks":
-            value = {key: copy.copy(block) for key, block in value.items()}
-        elif spec_field.name == "order":
-            value = _with_list_copies(value)
-        elif spec_field.name in _FLAT_FIELDS and value is not None:
+    twin = _shallow(state)
+    for name, value in vars(state).items():
+        if name == "blocks":
+            value = {key: _shallow(block) for key, block in value.items()}
+        elif name == "order":
+            value = _shallow(value, copy_lists=True)
+        elif name == "abandoned":
+            value = {plan_id: list(slots) for plan_id, slots in value.items()}
+        elif name in _FLAT_FIELDS and value is not None:
             value = type(value)(value)
         elif not isinstance(value, (int, float, str, type(None))):
             value = copy.deepcopy(value)
-        setattr(twin, spec_field.name, value)
-    clone = copy.copy(model)
+        setattr(twin, name, value)
+    clone = _shallow(model)
     clone.state = twin
     return clone
 
@@ -183,13 +193,16 @@ def clone_model(model: OffloadModel) -> OffloadModel:
 # Containers of immutable values: a shallow copy is a deep one.
 _FLAT_FIELDS = frozenset({"free_slots", "open_plans", "offers", "events"})
 
+T = TypeVar("T")
 
-def _with_list_copies(order: PolicyOrder) -> PolicyOrder:
-    twin = copy.copy(order)
-    for order_field in dataclasses.fields(order):
-        value = getattr(order, order_field.name)
-        if isinstance(value, list):
-            setattr(twin, order_field.name, list(value))
+
+def _shallow(obj: T, *, copy_lists: bool = False) -> T:
+    """``copy.copy`` for a plain object, without its generic machinery (the hot path)."""
+    twin = object.__new__(type(obj))
+    fields = vars(obj)
+    if copy_lists:
+        fields = {name: list(v) if isinstance(v, list) else v for name, v in fields.items()}
+    vars(twin).update(fields)
     return twin
 
 
@@ -197,6 +210,7 @@ def _with_list_copies(order: PolicyOrder) -> PolicyOrder:
 
 PREPARE_STORE, PREPARE_LOAD, TOUCH = "prepare_store", "prepare_load", "touch"
 COMPLETE_STORE, COMPLETE_LOAD, RESET = "complete_store", "complete_load", "reset_cache"
+ABANDON = "abandon"
 
 
 @dataclass(frozen=True)
@@ -235,16 +249,20 @@ def _keyed_operations(keys: Sequence[Key]) -> list[Operation]:
 
 @dataclass(frozen=True)
 class _Held:
-    """A plan handed out and not completed yet; ``current`` until the next reset."""
+    """A plan handed out and not completed yet; ``current`` until the next reset. Once
+    abandoned, a store plan made current holds its slots in ``quarantine`` until it is
+    completed: its stalled job may still write them."""
 
     plan: StorePlan | LoadPlan
     current: bool
+    abandoned: bool = False
+    quarantine: tuple[int, ...] = ()
 
     def content(self) -> tuple[object, ...]:
         plan = self.plan
-        if isinstance(plan, StorePlan):
-            return ("store", self.current, repr(plan.keys), plan.block_ids, repr(plan.evicted_keys))
-        return ("load", self.current, repr(plan.keys), plan.block_ids)
+        evicted = repr(plan.evicted_keys) if isinstance(plan, StorePlan) else None
+        fate = (self.current, self.abandoned, self.quarantine)
+        return (type(plan).__name__, *fate, repr(plan.keys), plan.block_ids, evicted)
 
 
 @dataclass
@@ -263,7 +281,14 @@ class _Node(Generic[S]):
 
     def reads(self) -> list[LoadPlan]:
         """The loads in flight: their blocks are pinned, their slots being read."""
-        return [h.plan for h in self.held if h.current and isinstance(h.plan, LoadPlan)]
+        return [
+            h.plan
+            for h in self.held
+            if h.current and not h.abandoned and isinstance(h.plan, LoadPlan)
+        ]
+
+    def quarantined(self) -> list[int]:
+        return [slot for held in self.held for slot in held.quarantine]
 
     def lookup(self, key: Key) -> Lookup:
         found = self.resident.get(key)
@@ -272,7 +297,8 @@ class _Node(Generic[S]):
         return Lookup.PENDING if found[1] else Lookup.HIT
 
     def free_slots(self) -> list[int]:
-        return sorted(set(range(len(self.memory))) - {slot for slot, _ in self.resident.values()})
+        taken = {slot for slot, _ in self.resident.values()} | set(self.quarantined())
+        return sorted(set(range(len(self.memory))) - taken)
 
     def evictable(self) -> set[Key]:
         pinned = {key for plan in self.reads() for key in plan.keys}
@@ -357,13 +383,14 @@ class _Checker(Generic[S]):
         return node
 
     def operations(self, node: _Node[S], keyed: list[Operation]) -> list[Operation]:
-        completions = []
+        on_plans = []
         for n, held in enumerate(node.held):
             if isinstance(held.plan, StorePlan):
-                completions += [Operation(COMPLETE_STORE, plan=n, success=b) for b in (True, False)]
+                on_plans += [Operation(COMPLETE_STORE, plan=n, success=b) for b in (True, False)]
             else:
-                completions.append(Operation(COMPLETE_LOAD, plan=n))
-        return keyed + completions
+                on_plans.append(Operation(COMPLETE_LOAD, plan=n))
+            on_plans.append(Operation(ABANDON, plan=n))
+        return keyed + on_plans
 
     def apply(self, node: _Node[S], op: Operation) -> _Node[S] | None:
         """The node after ``op``, or None when it raised as it had to. Raises Violation."""
@@ -383,7 +410,8 @@ class _Checker(Generic[S]):
         child, events = self._advance(node, system, op, result)
         if op.name == PREPARE_STORE and result is None:
             self._unchanged(node, system, "a refused prepare_store", tracker=False)
-        if op.plan >= 0 and not node.held[op.plan].current:
+        held = node.held[op.plan] if op.plan >= 0 else None
+        if op.name != ABANDON and held and not (held.current or held.abandoned):
             self._unchanged(node, system, "a stale completion")
         self._observe(child, events)
         return child
@@ -412,6 +440,8 @@ class _Checker(Generic[S]):
         """The error ``op`` may raise, and whether it must."""
         if op.malformed:
             return InvalidArgumentError, True
+        if op.name == ABANDON and node.held[op.plan].abandoned:
+            return PlanAlreadyAbandonedError, True
         if op.name != PREPARE_LOAD:
             return None, False
         if "model" not in self.checks:
@@ -431,6 +461,8 @@ class _Checker(Generic[S]):
             system.touch(op.arguments())
         elif op.name == RESET:
             system.reset_cache()
+        elif op.name == ABANDON:
+            system.abandon(node.held[op.plan].plan)
         elif op.name == COMPLETE_STORE:
             system.complete_store(cast(StorePlan, node.held[op.plan].plan), op.success)
         else:
@@ -449,13 +481,13 @@ class _Checker(Generic[S]):
         if op.name == PREPARE_STORE and result is not None:
             plan = self._check_store_plan(node, op.keys, result)
             read = {slot for load in node.reads() for slot in load.block_ids}
+            quarantined = set(node.quarantined())
             for key in plan.evicted_keys:
                 resident.pop(key, None)
             for key, slot in zip(plan.keys, plan.block_ids, strict=True):
-                if "data" in self.checks and slot in read:
-                    raise Violation(
-                        f"data: the store of {key!r} overwrites slot {slot}, being read"
-                    )
+                if "data" in self.checks and slot in read | quarantined:
+                    writer = "a load reads it" if slot in read else "an abandoned job may write it"
+                    raise Violation(f"data: the store of {key!r} takes slot {slot}: {writer}")
                 resident[key] = (slot, True)
                 memory[slot] = None  # being written: garbage until the job completes
             held.append(_Held(plan, True))
@@ -471,10 +503,21 @@ class _Checker(Generic[S]):
             ready.sort(key=lambda k: resident[k][0])  # reported by slot
             events = _removed(tuple(ready), RemovalReason.RESET)
             resident.clear()
-            held = [_Held(h.plan, False) for h in held]
+            held = [dataclasses.replace(h, current=False) for h in held]  # quarantines last
+        elif op.name == ABANDON:
+            gone = held[op.plan]
+            quarantine: tuple[int, ...] = ()
+            if gone.current and isinstance(gone.plan, StorePlan):
+                for key in gone.plan.keys:
+                    resident.pop(key, None)
+                quarantine = gone.plan.block_ids
+                events = _removed(gone.plan.keys, RemovalReason.STORE_FAILED)
+            held[op.plan] = _Held(gone.plan, gone.current, abandoned=True, quarantine=quarantine)
         elif op.plan >= 0:
             done = held.pop(op.plan)
-            if done.current and isinstance(done.plan, StorePlan):
+            if done.abandoned:
+                pass  # its job is over: a quarantine ends, nothing else changes
+            elif done.current and isinstance(done.plan, StorePlan):
                 for key, slot in zip(done.plan.keys, done.plan.block_ids, strict=True):
                     if op.success:
                         resident[key] = (slot, False)
@@ -584,10 +627,13 @@ class _Checker(Generic[S]):
                 slot = node.resident.get(key, (-1, True))[0]
                 node.resident[key] = (slot, found is Lookup.PENDING)
         if "model" in self.checks:
-            counts = (system.num_free_blocks, system.num_evictable_blocks)
-            due_counts = (len(node.free_slots()), len(node.evictable()))
-            if counts != due_counts:
-                raise Violation(f"free/evictable blocks are {counts}, the plans say {due_counts}")
+            free, evictable = system.num_free_blocks, system.num_evictable_blocks
+            counts = (free, evictable, system.num_quarantined_blocks)
+            predicted = (len(node.free_slots()), len(node.evictable()), len(node.quarantined()))
+            if counts != predicted:
+                raise Violation(
+                    f"free/evictable/quarantined blocks are {counts}, the plans say {predicted}"
+                )
         events = system.take_events()
         if "events" in self.checks and events != events_due:
             raise Violation(f"events {events} where {events_due} were due")
@@ -704,7 +750,7 @@ class _Search(Generic[S]):
                 return self._counterexample(here, op, str(violation))
             if child is None:
                 continue
-            if op.plan >= 0:
+            if op.name in (COMPLETE_STORE, COMPLETE_LOAD):
                 self.transitions += 1
                 try:
                     self.checker.complete_again(child, op, node.held[op.plan].plan)
@@ -746,7 +792,10 @@ class _Search(Generic[S]):
 def _describe(op: Operation, node: _Node[S], names: Mapping[int, int]) -> str:
     if op.plan >= 0:
         held = node.held[op.plan]
-        plan = f"plan {names.get(held.plan.plan_id, '?')}{'' if held.current else ' (stale)'}"
+        fate = ("" if held.current else " stale") + (" abandoned" if held.abandoned else "")
+        plan = f"plan {names.get(held.plan.plan_id, '?')}" + (f" ({fate[1:]})" if fate else "")
+        if op.name == ABANDON:
+            return f"abandon({plan})"
         if op.name == COMPLETE_STORE:
             return f"complete_store({plan}, success={op.success})"
         return f"complete_load({plan})"
