@@ -16,6 +16,7 @@ contract that a correct manager fails before CrossHair has to.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,11 +29,11 @@ from kvoffload import contracts
 from kvoffload.contracts import CHECKS, ArcChecks, CheckedManager, Fate, LruChecks
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.lru import LruPolicy
-from kvoffload_spec.surface import Key, StorePlan
+from kvoffload_spec.surface import Key, LoadPlan, StorePlan
 from kvoffload_spec.validation import check_flag
 from tests.test_crosshair import Run, crosshair
 
-SECONDS_PER_TARGET = 4.0  # CPU seconds of search per check
+SECONDS_PER_TARGET = 3.0  # CPU seconds of search per check
 SECONDS_TO_FIND = 40.0  # a canary or a planted bug is found within a few
 LAST_POSTCONDITION = "    assert manager.invariants_hold()\n\n\n"
 CLASSES = (LruChecks, ArcChecks)
@@ -108,10 +109,26 @@ class StaleStoreCompletionApplied(CheckedManager):
             self._drop_failed(done)
 
 
+class AbandonFreesSlotsAtOnce(CheckedManager):
+    """Abandoning a store hands its slots out again at once, though the stalled job may
+    still write them: a later store there would be overwritten by the late job.
+    """
+
+    POLICY = ArcPolicy
+    check_abandon = contracts.check_abandon
+
+    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+        super().abandon(plan)
+        for slot in self._abandoned[plan.plan_id]:
+            heapq.heappush(self._freed, slot)
+        self._abandoned[plan.plan_id] = ()
+
+
 PLANTED = {
     f"{__name__}.CounterNotRestoredOnLoad.check_complete_load": CounterNotRestoredOnLoad,
     f"{__name__}.EvictsBeforeGivingUp.check_prepare_store": EvictsBeforeGivingUp,
     f"{__name__}.StaleStoreCompletionApplied.check_complete_store": StaleStoreCompletionApplied,
+    f"{__name__}.AbandonFreesSlotsAtOnce.check_abandon": AbandonFreesSlotsAtOnce,
 }
 
 
@@ -192,6 +209,8 @@ def test_every_check_holds_on_random_histories(
         manager.check_complete_store(which, success)
     elif check == "check_complete_load" and manager.load_plans:
         manager.check_complete_load(which)
+    elif check == "check_abandon" and (manager.store_plans or manager.load_plans):
+        manager.check_abandon(which)
     elif check in ("check_prepare_store", "check_prepare_load", "check_touch"):
         getattr(manager, check)(arguments)
     elif check == "check_reset_cache":
@@ -209,3 +228,5 @@ def test_the_planted_bugs_break_the_contracts() -> None:
         EvictsBeforeGivingUp(0, (Fate.READY, *absent)).check_prepare_store([1, 2])
     with pytest.raises(AssertionError):
         StaleStoreCompletionApplied(0, (Fate.STORED_AGAIN, *absent)).check_complete_store(0, True)
+    with pytest.raises(AssertionError):
+        AbandonFreesSlotsAtOnce(0, (Fate.PENDING, *absent)).check_abandon(0)

@@ -10,7 +10,8 @@ others:
   among them the evictable counter of vLLM PR #45757;
 - the counter moves by exactly what the call made or stopped being evictable;
 - a call that fails (``prepare_store`` returning None, an ``OffloadError``) changes no cache
-  state, and a completion of a plan made before ``reset_cache`` changes nothing else.
+  state, and a completion of a plan made before ``reset_cache`` or abandoned changes
+  nothing else.
 
 CrossHair builds ``self`` through ``__init__`` from symbolic arguments. A manager's state
 cannot be written down field by field without duplicating the manager, so the constructor
@@ -46,6 +47,7 @@ CHECKS = (
     "check_complete_store",
     "check_prepare_load",
     "check_complete_load",
+    "check_abandon",
     "check_touch",
     "check_reset_cache",
 )
@@ -67,6 +69,13 @@ def plain_keys(keys: list[int]) -> list[Key]:
     return [plain(key % (KEYS + 1), KEYS + 1) for key in keys]
 
 
+def frozen_clock() -> float:
+    """The checked managers' clock: CrossHair treats ``time.monotonic`` as a symbolic input
+    and then sees the same decisions take different paths; no check depends on time.
+    """
+    return 0.0
+
+
 class Fate(enum.IntEnum):
     """What the history does with one key (see :class:`CheckedManager`)."""
 
@@ -78,6 +87,8 @@ class Fate(enum.IntEnum):
     STALE_STORE = 5  # stored before the reset by a plan left open
     STORED_AGAIN = 6  # STALE_STORE, then pending again on a new plan (the ABA hazard)
     STALE_LOAD = 7  # stored and loaded before the reset by a plan left open, then ready
+    ABANDONED_STORE = 8  # stored by a plan then abandoned: absent, its slot quarantined
+    ABANDONED_LOAD = 9  # ready, then loaded by a plan then abandoned: unpinned again
 
 
 STALE_FATES = (Fate.STALE_STORE, Fate.STORED_AGAIN, Fate.STALE_LOAD)
@@ -94,7 +105,9 @@ class CheckedManager(OffloadManager):
     any); the keys to be ready are stored one plan each and completed, in key order (a
     small pool evicts the first ones again); the TOUCHED keys are touched; the PENDING
     and STORED_AGAIN keys are stored in one plan, left open; the PINNED keys still
-    resident are loaded, one plan each, left open.
+    resident are loaded, one plan each, left open; the ABANDONED_LOAD keys are stored,
+    loaded and their load plans abandoned; the ABANDONED_STORE keys are stored in one plan,
+    which is abandoned.
 
     The manager keeps every plan it issued, completed or not, so that a check can complete
     an open plan, a stale one, or one completed already (which must fail).
@@ -103,7 +116,8 @@ class CheckedManager(OffloadManager):
     POLICY: ClassVar[type[EvictionPolicy]]
 
     def __init__(self, num_blocks: int, fates: tuple[int, int, int, int]) -> None:
-        super().__init__(1 + plain(num_blocks % MAX_BLOCKS, MAX_BLOCKS), self.POLICY)
+        size = 1 + plain(num_blocks % MAX_BLOCKS, MAX_BLOCKS)
+        super().__init__(size, self.POLICY, clock=frozen_clock)
         self.store_plans: list[StorePlan] = []
         self.load_plans: list[LoadPlan] = []
         fate = [Fate(plain(value % len(Fate), len(Fate))) for value in fates]
@@ -117,26 +131,37 @@ class CheckedManager(OffloadManager):
             self._load([key])
         if keys(*STALE_FATES):
             self.reset_cache()
-        for key in keys(Fate.READY, Fate.TOUCHED, Fate.PINNED, Fate.STALE_LOAD):
+        for key in keys(
+            Fate.READY, Fate.TOUCHED, Fate.PINNED, Fate.STALE_LOAD, Fate.ABANDONED_LOAD
+        ):
             self._store([key], complete=True)
         self.touch(keys(Fate.TOUCHED))
         self._store(keys(Fate.PENDING, Fate.STORED_AGAIN))
         for key in keys(Fate.PINNED):
             self._load([key])
+        for key in keys(Fate.ABANDONED_LOAD):
+            if self._load([key]):
+                self.abandon(self.load_plans[-1])
+        if self._store(keys(Fate.ABANDONED_STORE)):
+            self.abandon(self.store_plans[-1])
 
     def __repr__(self) -> str:
         return f"{super().__repr__()} after plans {[*self.store_plans, *self.load_plans]}"
 
-    def _store(self, keys: list[Key], *, complete: bool = False) -> None:
+    def _store(self, keys: list[Key], *, complete: bool = False) -> bool:
         plan = self.prepare_store(keys)
-        if plan is not None and plan.keys:
-            self.store_plans.append(plan)
-            if complete:
-                self.complete_store(plan)
+        if plan is None or not plan.keys:
+            return False
+        self.store_plans.append(plan)
+        if complete:
+            self.complete_store(plan)
+        return True
 
-    def _load(self, keys: list[Key]) -> None:
-        if all(self.lookup(key) is Lookup.HIT for key in keys):
-            self.load_plans.append(self.prepare_load(keys))
+    def _load(self, keys: list[Key]) -> bool:
+        if not all(self.lookup(key) is Lookup.HIT for key in keys):
+            return False
+        self.load_plans.append(self.prepare_load(keys))
+        return True
 
     # -- what the checks read --------------------------------------------------------------
 
@@ -156,6 +181,8 @@ class CheckedManager(OffloadManager):
             free=(tuple(sorted(self._freed)), self._fresh),
             num_evictable=self._num_evictable,
             open_plans=dict(self._open_plans),
+            opened_at=dict(self._opened_at),
+            abandoned=dict(self._abandoned),
             next_plan_id=self._next_plan_id,
             generation=self._generation,
             order=policy_state(self._policy),
@@ -172,14 +199,20 @@ class CacheState:
     free: tuple[tuple[int, ...], int]
     num_evictable: int
     open_plans: dict[int, StorePlan | LoadPlan]
+    opened_at: dict[int, float]
+    abandoned: dict[int, tuple[int, ...]]
     next_plan_id: int
     generation: int
     order: tuple[object, ...]
 
     def without_plan(self, plan_id: int) -> CacheState:
         """This state once the plan ``plan_id`` was closed and nothing else changed."""
-        plans = {open_id: plan for open_id, plan in self.open_plans.items() if open_id != plan_id}
-        return dataclasses.replace(self, open_plans=plans)
+        return dataclasses.replace(
+            self,
+            open_plans={key: plan for key, plan in self.open_plans.items() if key != plan_id},
+            opened_at={key: at for key, at in self.opened_at.items() if key != plan_id},
+            abandoned={key: at for key, at in self.abandoned.items() if key != plan_id},
+        )
 
     def blocks_only(self) -> CacheState:
         """This state without the policy's order (what ``touch`` may change)."""
@@ -222,22 +255,27 @@ def check_prepare_store(manager: CheckedManager, raw_keys: list[int]) -> None:
 
 
 def check_complete_store(manager: CheckedManager, which: int, success: bool) -> None:
-    """Post: a plan completed twice raises and changes nothing; a stale plan only closes;
-    a current one makes its blocks ready (the counter rises by each) or absent.
+    """Post: a plan completed twice raises and changes nothing; an abandoned plan frees
+    its quarantined slots and changes nothing else; a stale plan only closes; a current
+    one makes its blocks ready (the counter rises by each) or absent.
     """
     assert manager.store_plans
     assert manager.invariants_hold()
     plan = manager.store_plans[which % len(manager.store_plans)]
     before, evictable = manager.cache_state(), manager.num_evictable_blocks
-    states = [manager.lookup(key) for key in plan.keys]
+    free, states = manager.num_free_blocks, [manager.lookup(key) for key in plan.keys]
     try:
         manager.complete_store(plan, success)
     except OffloadError:
         assert plan.plan_id not in before.open_plans  # completed already
         assert manager.cache_state() == before
     else:
-        if plan.generation != before.generation:  # made before a reset: the ABA guard
-            assert manager.cache_state() == before.without_plan(plan.plan_id)
+        closed = before.without_plan(plan.plan_id)
+        if plan.plan_id in before.abandoned:  # its job is over: the quarantine ends
+            assert manager.num_free_blocks == free + len(before.abandoned[plan.plan_id])
+            assert dataclasses.replace(manager.cache_state(), free=closed.free) == closed
+        elif plan.generation != before.generation:  # made before a reset: the ABA guard
+            assert manager.cache_state() == closed
         else:
             outcome = Lookup.HIT if success else Lookup.MISS
             assert all(manager.lookup(key) is outcome for key in plan.keys)
@@ -266,8 +304,9 @@ def check_prepare_load(manager: CheckedManager, raw_keys: list[int]) -> None:
 
 
 def check_complete_load(manager: CheckedManager, which: int) -> None:
-    """Post: a plan completed twice raises and changes nothing; a stale plan only closes;
-    a current one frees its blocks (the counter rises by each block left unread).
+    """Post: a plan completed twice raises and changes nothing; an abandoned or stale plan
+    only closes; a current one frees its blocks (the counter rises by each block left
+    unread).
     """
     assert manager.load_plans
     assert manager.invariants_hold()
@@ -279,11 +318,45 @@ def check_complete_load(manager: CheckedManager, which: int) -> None:
         assert plan.plan_id not in before.open_plans
         assert manager.cache_state() == before
     else:
-        if plan.generation != before.generation:  # made before a reset
+        if plan.plan_id in before.abandoned or plan.generation != before.generation:
             assert manager.cache_state() == before.without_plan(plan.plan_id)
         else:
             released = sum(manager._is_evictable(key) for key in set(plan.keys))
             assert manager.num_evictable_blocks == evictable + released
+    assert manager.invariants_hold()
+
+
+def check_abandon(manager: CheckedManager, which: int) -> None:
+    """Post: a plan not open or abandoned already raises and changes nothing; a stale plan
+    is marked abandoned, holding nothing; a current load plan's blocks are unpinned (the
+    counter rises by each block left unread); a current store plan's pending blocks are
+    absent and their slots quarantined, neither free nor resident.
+    """
+    assert manager.store_plans or manager.load_plans
+    assert manager.invariants_hold()
+    plans: list[StorePlan | LoadPlan] = [*manager.store_plans, *manager.load_plans]
+    plan = plans[which % len(plans)]
+    before, evictable = manager.cache_state(), manager.num_evictable_blocks
+    free, quarantined = manager.num_free_blocks, manager.num_quarantined_blocks
+    pending = [key for key in plan.keys if before.storing.get(key) == plan.plan_id]
+    try:
+        manager.abandon(plan)
+    except OffloadError:
+        assert plan.plan_id not in before.open_plans or plan.plan_id in before.abandoned
+        assert manager.cache_state() == before
+    else:
+        assert plan.plan_id in manager.cache_state().abandoned
+        assert plan.plan_id in manager.cache_state().open_plans  # completed once, later
+        assert manager.num_free_blocks == free
+        if plan.generation != before.generation or isinstance(plan, StorePlan):
+            assert manager.num_evictable_blocks == evictable
+        if isinstance(plan, StorePlan):
+            assert all(manager.lookup(key) is Lookup.MISS for key in pending)
+            assert manager.num_quarantined_blocks == quarantined + len(pending)
+        else:
+            released = sum(manager._is_evictable(key) for key in set(plan.keys))
+            if plan.generation == before.generation:
+                assert manager.num_evictable_blocks == evictable + released
     assert manager.invariants_hold()
 
 
@@ -303,8 +376,9 @@ def check_reset_cache(manager: CheckedManager) -> None:
     manager.reset_cache()
     after = manager.cache_state()
     assert not after.slots and manager.num_evictable_blocks == 0
-    assert manager.num_free_blocks == manager.num_blocks
+    assert manager.num_free_blocks == manager.num_blocks - manager.num_quarantined_blocks
     assert after.open_plans == before.open_plans  # still open: each completes once
+    assert after.abandoned == before.abandoned  # their jobs may still write those slots
     assert manager.invariants_hold()
 
 
@@ -316,6 +390,7 @@ class LruChecks(CheckedManager):
     check_complete_store = check_complete_store
     check_prepare_load = check_prepare_load
     check_complete_load = check_complete_load
+    check_abandon = check_abandon
     check_touch = check_touch
     check_reset_cache = check_reset_cache
 
@@ -328,5 +403,6 @@ class ArcChecks(CheckedManager):
     check_complete_store = check_complete_store
     check_prepare_load = check_prepare_load
     check_complete_load = check_complete_load
+    check_abandon = check_abandon
     check_touch = check_touch
     check_reset_cache = check_reset_cache
