@@ -1,0 +1,324 @@
+"""Threads: the Offloader shared by scheduler threads, a polling thread and a resetting one.
+
+Several threads store, load, touch and look up keys while another polls and a third resets
+now and then, on a threaded engine whose jobs sometimes fail. The manager behind the
+offloader is wrapped in a recorder that notices two calls inside it at once (it yields the
+GIL mid-call to invite one) and logs every call in the order the offloader's lock let them
+through. Afterwards: no overlap, the manager's invariants hold, replaying the log on the
+spec's model gives the same answer to every call, every plan was reported exactly once,
+every load delivered its key's bytes and every readable key's CPU block holds them. The
+same hammering of an offloader without its lock is caught, so the check can fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from kvoffload import Finished, Offloader
+from kvoffload.manager import OffloadManager
+from kvoffload_spec import OffloadModel
+from kvoffload_spec.errors import BlockNotReadyError, OffloadError
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+
+WORKERS = 3
+BLOCKS_EACH = 4  # device blocks a worker owns
+KEYS = range(12)
+HOLD = 60.0  # seconds a thread waits at most for a completion, so nothing hangs
+OPERATIONS = 1000  # per worker: about a second on 2 cores
+
+
+class Recorder:
+    """The manager surface, logging each call and noticing calls that overlap."""
+
+    def __init__(self, inner: OffloadManager) -> None:
+        self.inner = inner
+        self.log: list[tuple[str, tuple[object, ...], object]] = []
+        self.overlaps = 0
+        self._inside = False
+
+    @property
+    def num_blocks(self) -> int:
+        return self.inner.num_blocks
+
+    def _call(self, name: str, *args: object) -> object:
+        if self._inside:
+            self.overlaps += 1
+        self._inside = True
+        time.sleep(0)  # hand the GIL over: a second caller gets in here unless locked out
+        try:
+            outcome: object = getattr(self.inner, name)(*args)
+        except OffloadError as error:
+            outcome = error
+        self._inside = False
+        self.log.append((name, args, outcome))
+        if isinstance(outcome, OffloadError):
+            raise outcome
+        return outcome
+
+    def lookup(self, key: Key) -> Lookup:
+        found = self._call("lookup", key)
+        assert isinstance(found, Lookup)
+        return found
+
+    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
+        plan = self._call("prepare_store", keys)
+        assert plan is None or isinstance(plan, StorePlan)
+        return plan
+
+    def complete_store(self, plan: StorePlan, success: bool = True) -> None:
+        self._call("complete_store", plan, success)
+
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
+        plan = self._call("prepare_load", keys)
+        assert isinstance(plan, LoadPlan)
+        return plan
+
+    def complete_load(self, plan: LoadPlan) -> None:
+        self._call("complete_load", plan)
+
+    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+        self._call("abandon", plan)
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        self._call("touch", keys)
+
+    def reset_cache(self) -> None:
+        self._call("reset_cache")
+
+
+@dataclass
+class Hammering:
+    """What the threads saw; ``problems`` stays empty when all went right."""
+
+    offloader: Offloader
+    recorder: Recorder
+    tensors: list[torch.Tensor]
+    content: dict[Key, torch.Tensor]
+    finished: dict[int, Finished] = field(default_factory=dict)  # plan id -> its report
+    reported_twice: list[int] = field(default_factory=list)
+    submitted: list[int] = field(default_factory=list)  # plan ids, any thread
+    problems: list[str] = field(default_factory=list)
+    done: threading.Condition = field(default_factory=threading.Condition)
+    counts: dict[str, int] = field(default_factory=dict)
+    hold: float = HOLD  # seconds a thread waits at most for a completion
+
+    def report(self, finished: list[Finished]) -> None:
+        with self.done:
+            for each in finished:
+                if each.plan.plan_id in self.finished:
+                    self.reported_twice.append(each.plan.plan_id)
+                self.finished[each.plan.plan_id] = each
+            self.done.notify_all()
+
+    def outcome(self, plan: StorePlan | LoadPlan) -> Finished:
+        with self.done:
+            self.submitted.append(plan.plan_id)
+            if not self.done.wait_for(lambda: plan.plan_id in self.finished, self.hold):
+                raise TimeoutError(f"{plan} was never reported")
+            return self.finished[plan.plan_id]
+
+    def count(self, what: str) -> None:
+        with self.done:
+            self.counts[what] = self.counts.get(what, 0) + 1
+
+    def block(self, block: int) -> torch.Tensor:
+        return torch.cat([t[:, block].reshape(-1) for t in self.tensors])
+
+    def write(self, block: int, data: torch.Tensor) -> None:
+        offset = 0
+        for tensor in self.tensors:
+            part = tensor[:, block]
+            part.copy_(data[offset : offset + part.numel()].reshape(part.shape))
+            offset += part.numel()
+
+
+def worker(state: Hammering, index: int, operations: int, seed: int) -> None:
+    """A scheduler thread: stores its keys from, and loads keys into, its own blocks."""
+    rng = random.Random(seed)
+    offloader = state.offloader
+    own = list(range(index * BLOCKS_EACH, (index + 1) * BLOCKS_EACH))
+    for _ in range(operations):
+        action = rng.choice(["store", "store", "load", "load", "touch", "lookup", "stalled"])
+        keys = rng.sample(KEYS, rng.randint(1, 2))
+        blocks = rng.sample(own, len(keys))
+        if action == "store":
+            for key, block in zip(keys, blocks, strict=True):
+                state.write(block, state.content[key])
+            plan = offloader.store(keys, blocks)
+            state.count("store refused" if plan is None else "store")
+            if plan is not None:
+                state.outcome(plan)  # its device blocks may be reused only then
+        elif action == "load":
+            try:
+                load = offloader.load(keys, blocks)
+            except BlockNotReadyError:  # another thread evicted or reset it meanwhile
+                state.count("load of a key not ready")
+                continue
+            done = state.outcome(load)
+            state.count("load ok" if done.ok else "load failed")
+            for key, block in zip(keys, blocks, strict=True):
+                if done.ok and not torch.equal(state.block(block), state.content[key]):
+                    state.problems.append(f"a load of {key!r} delivered other bytes")
+        elif action == "touch":
+            offloader.touch(keys)
+        elif action == "lookup":
+            offloader.lookup(keys[0])
+        else:
+            offloader.stalled(older_than=HOLD)
+
+
+def guarded(state: Hammering, target: Callable[..., None], *args: object) -> None:
+    """Run a thread's body; whatever it raises is a problem the test reports."""
+    try:
+        target(state, *args)
+    except Exception as error:  # a thread's crash must fail the test, not just print
+        state.problems.append(f"{target.__name__} raised {error!r}")
+
+
+def poller(state: Hammering, stop: threading.Event) -> None:
+    while not stop.is_set():
+        state.report(state.offloader.poll())
+        time.sleep(0.0002)
+
+
+def resetter(state: Hammering, stop: threading.Event, resets: int) -> None:
+    for _ in range(resets):
+        if stop.wait(0.02):
+            return
+        state.report(state.offloader.reset(timeout=state.hold))
+        state.count("reset")
+
+
+def hammer(
+    policy: str, *, operations: int, lock: bool = True, seed: int = 0, hold: float = HOLD
+) -> Hammering:
+    """Run the threads to the end; returns what they saw (``problems`` lists what broke)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [
+        torch.randint(
+            0, 256, (2, WORKERS * BLOCKS_EACH, 16), dtype=torch.uint8, generator=generator
+        )
+        for _ in range(2)
+    ]
+    recorder = Recorder(OffloadManager(6, policy))
+    offloader = Offloader(tensors, block_dim=1, manager=recorder, threaded=True)
+    if not lock:
+        offloader._lock = contextlib.nullcontext()  # type: ignore[assignment]
+    offloader.engine.fault_hook = lambda job, run: fail_some(job, run)
+    block_bytes = offloader.engine.layout.bytes_per_block
+    content: dict[Key, torch.Tensor] = {
+        key: torch.randint(0, 256, (block_bytes,), dtype=torch.uint8, generator=generator)
+        for key in KEYS
+    }
+    state = Hammering(offloader, recorder, tensors, content, hold=hold)
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=guarded, args=(state, worker, index, operations, seed * 10 + index))
+        for index in range(WORKERS)
+    ]
+    helpers = [
+        threading.Thread(target=guarded, args=(state, poller, stop)),
+        threading.Thread(target=guarded, args=(state, resetter, stop, 3)),
+    ]
+    with fast_switching():
+        for thread in threads + helpers:
+            thread.start()
+        for thread in threads:
+            thread.join(hold * 4)
+        stop.set()
+        for thread in helpers:
+            thread.join(hold)
+    if any(thread.is_alive() for thread in threads + helpers):
+        state.problems.append("a thread never finished")
+        return state
+    if offloader.wait(timeout=hold):
+        guarded(state, lambda state: state.report(offloader.poll()))
+    else:
+        state.problems.append("jobs never finished")
+    return state
+
+
+def fail_some(job: int, run: int) -> None:
+    if job % 13 == 5 and run == 1:
+        raise RuntimeError(f"injected into job {job}")
+
+
+@contextlib.contextmanager
+def fast_switching() -> Iterator[None]:
+    """Switch threads every 10 us instead of 5 ms: far more interleavings per second."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def replay_on_the_spec(state: Hammering, policy: str) -> list[str]:
+    """Replay the recorded manager calls on the spec: each answer must be the same."""
+    model = OffloadModel(state.recorder.num_blocks, policy)
+    plans: dict[int, StorePlan | LoadPlan] = {}  # plan id -> the spec's plan
+    mismatches = []
+    for name, args, outcome in state.recorder.log:
+        spec_args = [
+            plans[arg.plan_id] if isinstance(arg, (StorePlan, LoadPlan)) else arg for arg in args
+        ]
+        try:
+            expected: object = getattr(model, name)(*spec_args)
+        except OffloadError as error:
+            expected = error
+        if isinstance(expected, (StorePlan, LoadPlan)):
+            plans[expected.plan_id] = expected
+        same = (
+            type(outcome) is type(expected)
+            if isinstance(expected, OffloadError)
+            else outcome == expected
+        )
+        if not same:
+            mismatches.append(
+                f"{name}{tuple(args)}: the manager gave {outcome!r}, the spec {expected!r}"
+            )
+    return mismatches
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_an_offloader_shared_by_threads_stays_consistent(policy: str) -> None:
+    state = hammer(policy, operations=OPERATIONS)
+    offloader, manager = state.offloader, state.recorder.inner
+    assert state.problems == [] and state.recorder.overlaps == 0
+    manager.check_invariants()
+    assert replay_on_the_spec(state, policy) == []
+    assert state.reported_twice == [] and offloader.num_in_flight == 0
+    assert set(state.submitted) <= set(state.finished)
+    offloader.engine.fault_hook = None
+    for key in KEYS:  # every readable key's CPU block holds its bytes
+        if manager.lookup(key) is Lookup.HIT:
+            load = offloader.load([key], [0])
+            assert offloader.wait([load], timeout=HOLD)
+            (done,) = offloader.poll()
+            assert done.ok and torch.equal(state.block(0), state.content[key]), key
+    # the threads really did contend: stores, loads, failures and resets all happened
+    counts = state.counts
+    assert counts.get("store", 0) > 20 and counts.get("load ok", 0) > 20, counts
+    assert (
+        counts.get("reset", 0) >= 1
+        and counts.get("load failed", 0) + len([f for f in state.finished.values() if not f.ok]) > 0
+    ), counts
+    offloader.close()
+
+
+def test_without_its_lock_the_offloader_is_caught() -> None:
+    state = hammer("lru", operations=60, lock=False, hold=2.0)
+    broken = state.problems or state.recorder.overlaps or replay_on_the_spec(state, "lru")
+    assert broken, "two threads used the manager at once and nothing noticed"
+    with contextlib.suppress(OffloadError):
+        state.offloader.close(timeout=HOLD)
