@@ -124,7 +124,7 @@ VARIANTS = (
         "failed_store_leaks_slot",
         "a failed store drops its block but never frees the slot",
         (("                self._release_slot(block.slot)\n", ""),),
-        crosshair="ArcContracts.check_complete_store",
+        crosshair="LruContracts.check_complete_store",
     ),
     Variant(
         "stale_store_completion_applied",
@@ -150,7 +150,7 @@ VARIANTS = (
                 "if key in self.blocks and self.blocks[key].refs == 0)\n        assert",
             ),
         ),
-        crosshair="LruContracts.check_complete_load",
+        crosshair="ArcContracts.check_complete_load",
     ),
     Variant(
         "completion_keeps_plan_open",
@@ -171,7 +171,7 @@ VARIANTS = (
                 "self._release_slot(self.blocks.pop(key).slot)",
             ),
         ),
-        crosshair="ArcContracts.check_abandon",
+        crosshair="LruContracts.check_abandon",
     ),
     Variant(
         "reset_ends_quarantine",

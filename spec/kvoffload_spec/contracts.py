@@ -43,6 +43,7 @@ CHECKS = (
     "check_complete_store",
     "check_prepare_load",
     "check_complete_load",
+    "check_abandon",
     "check_touch",
     "check_reset_cache",
 )
@@ -59,6 +60,14 @@ def _key(value: int) -> int:
     return KEY_SPACE - 1
 
 
+def _index(value: int, size: int) -> int:
+    """An index into ``size`` things, chosen by comparisons too."""
+    for index in range(size - 1):
+        if value <= index:
+            return index
+    return size - 1
+
+
 def _keys(values: Sequence[int]) -> list[Key]:
     """Keys of the small key space, each once, in order."""
     return list(dict.fromkeys(_key(value) for value in values))
@@ -69,10 +78,12 @@ class _Checks(SpecState):
 
     ``slots[i]`` says what slot ``i`` holds: nothing if negative, a ready block if zero, a
     block still pending on the store plan labelled ``slots[i]`` if positive. The key in
-    slot ``i`` is ``(i + _key(shift)) % KEY_SPACE``: keys are opaque, so naming them by slot loses
-    nothing, and the shift keeps a key from always equalling its slot. ``loads`` lists, per
-    open load plan, the slots it reads (those not ready are left out). ``stale`` gives the
-    keys of a store plan and of a load plan made before the last reset (none if empty).
+    slot ``i`` is ``(i + _key(shift)) % KEY_SPACE``: keys are opaque, so naming them by slot
+    loses nothing, and the shift keeps a key from always equalling its slot. ``loads``
+    lists, per open load plan, the slots it reads (those not ready are left out). ``stale``
+    gives the keys of a store plan and of a load plan made before the last reset (none if
+    empty). ``abandon`` picks open plans to abandon, as ``abandon()`` would: a store's keys
+    leave and its slots are quarantined, a load's pins are released.
     """
 
     _args: tuple[object, ...]  # what the constructor was given, for a counterexample's repr
@@ -83,6 +94,7 @@ class _Checks(SpecState):
         shift: int,
         loads: list[list[int]],
         stale: list[int],
+        abandon: list[int],
         order: PolicyOrder,
     ) -> None:
         num_blocks = len(slots)
@@ -109,16 +121,30 @@ class _Checks(SpecState):
             places = tuple(range(len(dropped)))
             plans.append(StorePlan(dropped, places, (), len(plans), _STALE, 0))
             plans.append(LoadPlan(dropped, places, len(plans), _STALE, 0))
+        abandoned: dict[int, list[int]] = {}
+        for value in abandon if plans else ():
+            plan = plans[_index(value, len(plans))]
+            if plan.plan_id in abandoned:
+                continue
+            abandoned[plan.plan_id] = []
+            if plan.generation == _CURRENT and isinstance(plan, StorePlan):
+                abandoned[plan.plan_id] = [blocks.pop(key).slot for key in plan.keys]
+            elif plan.generation == _CURRENT:
+                for key in plan.keys:
+                    blocks[key].refs -= 1
+        taken = {block.slot for block in blocks.values()}
+        taken.update(slot for quarantine in abandoned.values() for slot in quarantine)
         super().__init__(
             num_blocks=num_blocks,
             order=order,
             blocks=blocks,
-            free_slots=[slot for slot in range(num_blocks) if slot not in key_in],
+            free_slots=[slot for slot in range(num_blocks) if slot not in taken],
             num_evictable=sum(1 for b in blocks.values() if b.ready and b.refs == 0),
             generation=_CURRENT,
             open_plans={plan.plan_id: plan for plan in plans},
             next_plan_id=len(plans),
             max_tracker_size=MAX_BLOCKS,
+            abandoned=abandoned,
         )
 
     def _check_prepare_store(self, keys: list[int]) -> None:
@@ -144,17 +170,18 @@ class _Checks(SpecState):
         assert any(isinstance(plan, StorePlan) for plan in self.open_plans.values())
         assert not invariant_violations(self)
         plans = [plan for plan in self.open_plans.values() if isinstance(plan, StorePlan)]
-        plan = plans[which % len(plans)]
+        plan = plans[_index(which, len(plans))]
         self.complete_store(plan, success)
         assert plan.plan_id not in self.open_plans
         assert not invariant_violations(self)
 
     def _check_prepare_load(self, slots: list[int]) -> None:
-        """Load the keys in ``slots`` (reduced modulo the capacity): a load needs hits."""
+        """Load the keys in ``slots`` (those ready): a load of anything else is refused."""
         assert 1 <= self.num_blocks <= MAX_BLOCKS
         assert not invariant_violations(self)
         key_in = {block.slot: key for key, block in self.blocks.items() if block.ready}
-        keys = [key_in[s % self.num_blocks] for s in slots if s % self.num_blocks in key_in]
+        picked = [_index(slot, self.num_blocks) for slot in slots]
+        keys = [key_in[slot] for slot in picked if slot in key_in]
         self.prepare_load(keys)
         assert not invariant_violations(self)
 
@@ -163,9 +190,22 @@ class _Checks(SpecState):
         assert any(isinstance(plan, LoadPlan) for plan in self.open_plans.values())
         assert not invariant_violations(self)
         plans = [plan for plan in self.open_plans.values() if isinstance(plan, LoadPlan)]
-        plan = plans[which % len(plans)]
+        plan = plans[_index(which, len(plans))]
         self.complete_load(plan)
         assert plan.plan_id not in self.open_plans
+        assert not invariant_violations(self)
+
+    def _check_abandon(self, which: int) -> None:
+        assert 1 <= self.num_blocks <= MAX_BLOCKS
+        assert any(plan_id not in self.abandoned for plan_id in self.open_plans)
+        assert not invariant_violations(self)
+        plans = [plan for plan in self.open_plans.values() if plan.plan_id not in self.abandoned]
+        plan = plans[_index(which, len(plans))]
+        free_before = list(self.free_slots)
+        self.abandon(plan)
+        # Still open (its late completion is due), and no slot freed: the job may write it.
+        assert plan.plan_id in self.abandoned and plan.plan_id in self.open_plans
+        assert self.free_slots == free_before
         assert not invariant_violations(self)
 
     def _check_touch(self, keys: list[int]) -> None:
@@ -208,6 +248,7 @@ class LruContracts(_Checks):
     check_complete_store = _Checks._check_complete_store
     check_prepare_load = _Checks._check_prepare_load
     check_complete_load = _Checks._check_complete_load
+    check_abandon = _Checks._check_abandon
     check_touch = _Checks._check_touch
     check_reset_cache = _Checks._check_reset_cache
 
@@ -217,14 +258,14 @@ class LruContracts(_Checks):
         shift: int,
         loads: list[list[int]],
         stale: list[int],
+        abandon: list[int],
         lru: list[int],
         store_threshold: int,
         offered: list[int],
     ) -> None:
-        self._args = (slots, shift, loads, stale, lru)
-        self._args += (store_threshold, offered)
+        self._args = (slots, shift, loads, stale, abandon, lru, store_threshold, offered)
         order = LruOrder()
-        super().__init__(slots, shift, loads, stale, order)
+        super().__init__(slots, shift, loads, stale, abandon, order)
         order.order = self._resident_first(lru)
         self.store_threshold = store_threshold
         self._record_offers([_key(value) for value in offered])
@@ -239,7 +280,7 @@ class ArcContracts(_Checks):
     ``t2`` lists the resident ready keys in T2, least recent first; the other resident keys
     are in T1, in ``t1``'s order (the others follow by slot). ``b1`` and ``b2`` are the
     ghosts (keys not resident; the most recent ``len(slots)`` of each are kept) and
-    ``p`` the target size of T1.
+    ``p`` the target size of T1 (held within ``[0, len(slots)]``).
     """
 
     # CrossHair looks a target method up in the class's own namespace only, and would check
@@ -248,6 +289,7 @@ class ArcContracts(_Checks):
     check_complete_store = _Checks._check_complete_store
     check_prepare_load = _Checks._check_prepare_load
     check_complete_load = _Checks._check_complete_load
+    check_abandon = _Checks._check_abandon
     check_touch = _Checks._check_touch
     check_reset_cache = _Checks._check_reset_cache
 
@@ -257,15 +299,16 @@ class ArcContracts(_Checks):
         shift: int,
         loads: list[list[int]],
         stale: list[int],
+        abandon: list[int],
         t1: list[int],
         t2: list[int],
         b1: list[int],
         b2: list[int],
         p: float,
     ) -> None:
-        self._args = (slots, shift, loads, stale, t1, t2, b1, b2, p)
+        self._args = (slots, shift, loads, stale, abandon, t1, t2, b1, b2, p)
         arc = ArcOrder(len(slots))
-        super().__init__(slots, shift, loads, stale, arc)
+        super().__init__(slots, shift, loads, stale, abandon, arc)
         blocks = self.blocks
         # A pending key was inserted into T1 and has not been touched while ready since.
         arc.t2 = [key for key in _keys(t2) if key in blocks and blocks[key].ready]
@@ -274,7 +317,7 @@ class ArcContracts(_Checks):
         arc.b1 = [key for key in _keys(b1) if key not in blocks][-capacity:]
         arc.b2 = [key for key in _keys(b2) if key not in blocks and key not in arc.b1]
         arc.b2 = arc.b2[-capacity:]
-        arc.p = p
+        arc.p = min(max(p, 0.0), float(arc.capacity))
 
     def __repr__(self) -> str:
         return f"ArcContracts{self._args!r}"
