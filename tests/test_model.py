@@ -22,6 +22,7 @@ from kvoffload_spec import (
     Lookup,
     OffloadError,
     OffloadModel,
+    PlanAlreadyAbandonedError,
     PlanAlreadyCompletedError,
     RemovalReason,
     StorePlan,
@@ -332,6 +333,63 @@ def test_a_stale_store_completion_cannot_touch_a_key_stored_again(success: bool)
     assert model.lookup("a") is Lookup.PENDING
     model.complete_store(new)
     assert model.lookup("a") is Lookup.HIT
+
+
+# -- abandon: a stalled job -------------------------------------------------------------------
+
+
+def test_abandoning_a_load_releases_its_pins_and_its_late_completion_does_nothing() -> None:
+    model = OffloadModel(1)
+    stored(model, ["a"])
+    load = model.prepare_load(["a"])
+    model.abandon(load)
+    assert model.num_evictable_blocks == 1
+    plan = model.prepare_store(["b"])
+    assert plan is not None and plan.evicted_keys == ("a",)
+    with only_closes(model, load):
+        model.complete_load(load)
+
+
+def test_abandoning_a_store_drops_its_keys_and_quarantines_its_slots() -> None:
+    model = OffloadModel(2, enable_events=True)
+    stalled = model.prepare_store(["a"])
+    assert stalled is not None
+    model.abandon(stalled)
+    assert model.take_events() == [BlocksRemoved(("a",), RemovalReason.STORE_FAILED)]
+    assert model.lookup("a") is Lookup.MISS
+    assert (model.num_free_blocks, model.num_quarantined_blocks) == (1, 1)
+    plan = model.prepare_store(["b", "c"])  # one slot is free, the other may still be written
+    assert plan is None
+    model.reset_cache()  # the job may still write: the quarantine outlives a reset
+    assert (model.num_free_blocks, model.num_quarantined_blocks) == (1, 1)
+    model.complete_store(stalled, success=True)  # the job is over
+    assert (model.num_free_blocks, model.num_quarantined_blocks) == (2, 0)
+    assert model.lookup("a") is Lookup.MISS and model.take_events() == []
+
+
+def test_abandoning_a_stale_plan_changes_nothing_else() -> None:
+    model = OffloadModel(1)
+    stale = model.prepare_store(["a"])
+    assert stale is not None
+    model.reset_cache()
+    model.abandon(stale)
+    assert (model.num_free_blocks, model.num_quarantined_blocks) == (1, 0)
+
+
+def test_a_plan_is_abandoned_once_and_completed_once() -> None:
+    model = OffloadModel(2)
+    stalled = model.prepare_store(["a"])
+    assert stalled is not None
+    model.abandon(stalled)
+    with unchanged(model), pytest.raises(PlanAlreadyAbandonedError):
+        model.abandon(stalled)
+    model.complete_store(stalled)
+    with unchanged(model), pytest.raises(PlanAlreadyCompletedError):
+        model.abandon(stalled)
+    with unchanged(model), pytest.raises(ForeignPlanError):
+        model.abandon(loaded_model()[1])
+    with unchanged(model), pytest.raises(ForeignPlanError):
+        model.abandon("plan")  # type: ignore[arg-type]
 
 
 # -- events ----------------------------------------------------------------------------------
