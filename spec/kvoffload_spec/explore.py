@@ -26,9 +26,9 @@ expanded once. After every call it checks, by families (see :data:`CHECKS`):
     second ``abandon`` ``PlanAlreadyAbandonedError``.
 ``data``
     a shadow of the CPU pool records whose bytes each slot holds (written when a store job
-    completes; a reset fences the jobs issued before it); every load reads its own key's
-    bytes, at the start and at the end of the read; no store writes a slot being read, nor
-    one an abandoned store job may still write.
+    completes; a reset fences the jobs issued before it, all but the abandoned ones, whose
+    slots stay quarantined); every load reads its own key's bytes, at the start and at the
+    end of the read; no store takes a slot being read, nor one an abandoned job may write.
 
 An argument list with an unhashable key must raise ``InvalidArgumentError``, always. The
 first violation stops the search; breadth first makes its counterexample a shortest one.
