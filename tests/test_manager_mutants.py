@@ -23,6 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvoffload.manager import OffloadManager
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.loading import resolve_policy
@@ -323,3 +324,42 @@ class Incomplete(EvictionPolicy):
 def test_an_unusable_policy_is_refused_with_the_reason(policy: object, says: str) -> None:
     with pytest.raises(UnknownPolicyError, match=re.escape(says)):
         resolve_policy(policy)
+
+
+def test_arc_reports_overlapping_lists_and_oversized_ghosts_or_target() -> None:
+    fates: dict[Key, str] = {0: "T1", 1: "T2"}
+    evictable = evictable_in(fates)
+    overlap = arc_with(fates)
+    overlap._b1[0] = None  # a resident key that is also a ghost
+    assert [p for p in overlap.check_invariants(evictable) if p.startswith("ARC lists overlap")]
+    too_many = arc_with(fates)
+    too_many._b2.update(dict.fromkeys(range(10, 11 + CAPACITY)))
+    too_far = arc_with(fates)
+    too_far.p = CAPACITY + 1.0
+    below = arc_with(fates)
+    below.p = -1.0
+    for broken in (too_many, too_far, below):  # each alone: ghosts, or the target
+        assert [p for p in broken.check_invariants(evictable) if p.startswith("ARC ghosts")]
+
+
+# -- the manager's counters ------------------------------------------------------------------
+
+
+def test_stats_count_every_completed_load_and_the_stalled_plans_of_this_generation() -> None:
+    now = [0.0]
+    manager = OffloadManager(4, "lru", stall_after=10.0, clock=lambda: now[0])
+    stored = manager.prepare_store([1, 2])
+    assert stored is not None
+    manager.complete_store(stored)
+    for keys in ([1], [1, 2]):
+        manager.complete_load(manager.prepare_load(keys))
+    assert manager.stats().blocks_loaded == 3  # one per key of each completed plan
+    pending = manager.prepare_store([3, 4])
+    pinned = manager.prepare_load([1])
+    assert pending is not None and pinned is not None
+    now[0] = 11.0
+    stats = manager.stats()
+    assert (stats.stalled_plans, stats.stalled_pins, stats.stalled_pending) == (2, 1, 2)
+    manager.reset_cache()  # still open and stalled, but holding nothing now
+    stats = manager.stats()
+    assert (stats.stalled_plans, stats.stalled_pins, stats.stalled_pending) == (2, 0, 0)
