@@ -329,7 +329,7 @@ class Offloader:
 
     def _job(self, plan: StorePlan | LoadPlan) -> int:
         job = self._job_of.get(plan.plan_id) if isinstance(plan, (StorePlan, LoadPlan)) else None
-        if job is None or self._plans[job] != plan or self._plans[job].owner != plan.owner:
+        if job is None or self._plans[job] != plan:
             raise InvalidArgumentError(
                 f"{plan!r} is not in flight in this offloader: pass a plan its store or load "
                 "returned that poll has not reported yet"
