@@ -607,6 +607,12 @@ def engine_cases() -> dict[str, tuple[type[OffloadError], st.SearchStrategy[Call
             InvalidArgumentError,
             call("submit_load", st.just([0, 1]), st.integers(0, 7).map(lambda b: [b, b])),
         ),
+        "hook: not a function": (
+            InvalidArgumentError,
+            JUNK.filter(lambda value: value is not None).map(
+                lambda hook: Call("__setattr__", ("fault_hook", hook), {})
+            ),
+        ),
         "jobs: never submitted": (
             InvalidArgumentError,
             st.one_of(
@@ -647,6 +653,7 @@ def test_the_engine_refuses_garbage_before_queuing_anything(
     def snapshot() -> tuple[object, ...]:
         return (
             engine._issued,
+            engine.fault_hook,
             list(engine._backend._done),  # type: ignore[attr-defined]
             engine.pool.flat.numpy().tobytes(),
             [t.numpy().tobytes() for t in tensors],
@@ -753,6 +760,7 @@ def constructor_cases() -> dict[str, tuple[type[OffloadError], st.SearchStrategy
             "OffloadModel": {"num_blocks": 4},
             "Offloader": {"kv_caches": VALID_CACHE, "num_cpu_blocks": 4},
             "CpuBlockPool": {"block_bytes": 64, "num_blocks": 4},
+            "TransferEngine.for_cache": {"kv_caches": VALID_CACHE, "num_cpu_blocks": 4},
         }
         base = bases[target]
         return st.sampled_from(sorted(garbage)).flatmap(
@@ -796,6 +804,11 @@ def constructor_cases() -> dict[str, tuple[type[OffloadError], st.SearchStrategy
                     max_tracker_size=BAD_COUNT,
                 ),
                 replacing("Offloader", num_cpu_blocks=BAD_COUNT, block_size_factor=BAD_COUNT),
+                replacing(
+                    "TransferEngine.for_cache",
+                    num_cpu_blocks=BAD_COUNT,
+                    block_size_factor=BAD_COUNT,
+                ),
                 replacing("CpuBlockPool", block_bytes=BAD_COUNT, num_blocks=BAD_COUNT),
             ),
         ),
@@ -813,6 +826,7 @@ def constructor_cases() -> dict[str, tuple[type[OffloadError], st.SearchStrategy
                 replacing("OffloadManager", enable_events=BAD_FLAG),
                 replacing("OffloadModel", enable_events=BAD_FLAG),
                 replacing("Offloader", threaded=BAD_FLAG, prefault=BAD_FLAG),
+                replacing("TransferEngine.for_cache", threaded=BAD_FLAG, prefault=BAD_FLAG),
                 replacing("CpuBlockPool", pin=BAD_FLAG, prefault=BAD_FLAG),
             ),
         ),
@@ -897,7 +911,7 @@ def constructor_cases() -> dict[str, tuple[type[OffloadError], st.SearchStrategy
 def construct(made: Call) -> object:
     """Build what ``made`` names; ``VALID_CACHE`` and engines get a valid cache."""
     kwargs = dict(made.kwargs)
-    if made.method == "Offloader" and kwargs["kv_caches"] is VALID_CACHE:
+    if kwargs.get("kv_caches") is VALID_CACHE:
         kwargs["kv_caches"] = tensors_of((4, 2, 3, 4))  # 96-byte blocks
     if made.method == "TransferEngine":
         layout = KVLayout(tensors_of((4, 2, 3, 4)))
@@ -909,6 +923,7 @@ def construct(made: Call) -> object:
         "Offloader": Offloader,
         "CpuBlockPool": CpuBlockPool,
         "KVLayout": KVLayout,
+        "TransferEngine.for_cache": TransferEngine.for_cache,
     }
     return constructors[made.method](*made.args, **kwargs)
 

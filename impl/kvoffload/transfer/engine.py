@@ -166,6 +166,8 @@ class TransferEngine:
 
     @fault_hook.setter
     def fault_hook(self, hook: FaultHook | None) -> None:
+        if hook is not None and not callable(hook):
+            raise InvalidArgumentError(f"fault_hook must be a function(job, run) or None: {hook!r}")
         self._backend.hook = hook
 
     def require_open(self) -> None:
