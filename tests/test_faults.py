@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
@@ -275,6 +276,24 @@ def test_stalled_plans_are_reported_by_age() -> None:
     assert (stats.stalled_pins, stats.abandoned_open, stats.abandoned_plans) == (0, 1, 1)
     assert stats.pinned == 1  # the young load's pin on b
     manager.check_invariants()
+
+
+def test_the_offloader_passes_stall_after_on_and_reports_by_it() -> None:
+    tensors, block_dim = make_cache("kv_split", num_blocks=8, dtype=torch.uint8)
+    offloader = Offloader(tensors, num_cpu_blocks=2, block_dim=block_dim, stall_after=0.01)
+    engine = offloader.engine
+    engine._backend = AnyOrder(MemmoveCopier(engine.layout, engine.pool))
+    faults = Faults()
+    engine.fault_hook = faults
+    gate = faults.stall(engine._issued)
+    plan = must(offloader.store(["a"], [0]))
+    assert offloader.stalled(older_than=HOLD) == []
+    time.sleep(0.05)
+    assert offloader.stalled() == [plan]
+    manager = offloader.manager
+    assert isinstance(manager, OffloadManager) and manager.stats().stalled_pending == 1
+    gate.set()
+    offloader.close(timeout=HOLD)
 
 
 def test_an_abandoned_stalled_load_unpins_its_blocks_at_once() -> None:
