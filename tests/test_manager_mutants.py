@@ -28,7 +28,7 @@ from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.loading import resolve_policy
 from kvoffload.policies.lru import LruPolicy
-from kvoffload_spec.errors import UnknownPolicyError
+from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
 from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
 from kvoffload_spec.surface import Key
 
@@ -363,3 +363,38 @@ def test_stats_count_every_completed_load_and_the_stalled_plans_of_this_generati
     manager.reset_cache()  # still open and stalled, but holding nothing now
     stats = manager.stats()
     assert (stats.stalled_plans, stats.stalled_pins, stats.stalled_pending) == (2, 0, 0)
+
+
+class Clock:
+    """A clock the test sets: ``now`` seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_stalled_plans_are_the_open_ones_older_than_the_cutoff_not_abandoned() -> None:
+    clock = Clock()
+    manager = OffloadManager(4, "lru", stall_after=300.0, clock=clock)
+    old = manager.prepare_store([1])
+    clock.now = 8.0
+    young = manager.prepare_store([2])
+    clock.now = 10.0
+    assert manager.stalled_plans() == []  # nothing is 300 s old
+    assert manager.stalled_plans(older_than=5.0) == [old]  # 8 > 10 - 5: young is not
+    assert manager.stalled_plans(older_than=2.0) == [old, young]  # opened at the cutoff
+    assert old is not None and young is not None
+    manager.abandon(old)
+    assert manager.stalled_plans(older_than=2.0) == [young]
+    assert manager.stats().abandoned_open == 1
+    manager.complete_store(old)
+    assert manager.stats().abandoned_open == 0
+
+
+@pytest.mark.parametrize("older_than", [0, -1.0, float("inf"), "5", True])
+def test_stalled_plans_refuses_a_bad_age_and_names_it(older_than: object) -> None:
+    manager = OffloadManager(4, "lru")
+    with pytest.raises(InvalidArgumentError, match=r"^older_than must be"):
+        manager.stalled_plans(older_than=older_than)  # type: ignore[arg-type]
