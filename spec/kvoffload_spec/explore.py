@@ -54,7 +54,7 @@ import traceback
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, NamedTuple, Protocol, TypeVar, cast
+from typing import Generic, NamedTuple, TypeVar, cast
 
 from kvoffload_spec.errors import (
     BlockNotFoundError,
@@ -73,6 +73,7 @@ from kvoffload_spec.surface import (
     Key,
     LoadPlan,
     Lookup,
+    ManagerSurface,
     RemovalReason,
     StorePlan,
 )
@@ -82,27 +83,8 @@ CHECKS = frozenset({"invariants", "model", "events", "unchanged", "data"})
 """The families of checks (see the module's docstring); :func:`explore` runs them all."""
 
 
-class System(Protocol):
-    """What the explorer drives: the manager's surface. It must be deep-copyable."""
-
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def num_evictable_blocks(self) -> int: ...
-    @property
-    def num_quarantined_blocks(self) -> int: ...
-    def lookup(self, key: Key) -> Lookup: ...
-    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None: ...
-    def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
-    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan: ...
-    def complete_load(self, plan: LoadPlan) -> None: ...
-    def abandon(self, plan: StorePlan | LoadPlan) -> None: ...
-    def touch(self, keys: Sequence[Key]) -> None: ...
-    def reset_cache(self) -> None: ...
-    def take_events(self) -> list[Event]: ...
-    def check_invariants(self) -> None: ...
+System = ManagerSurface
+"""What the explorer drives: the manager's surface. It must also be deep-copyable."""
 
 
 S = TypeVar("S", bound=System)
