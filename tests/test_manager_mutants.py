@@ -9,9 +9,10 @@ policy interface allows; and the invariant checker against corrupted managers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import pytest
 from hypothesis import strategies as st
@@ -25,12 +26,18 @@ from hypothesis.stateful import (
 
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.arc import ArcPolicy
-from kvoffload.policies.base import EvictionPolicy
+from kvoffload.policies.base import EvictionPolicy, PolicyContractError
 from kvoffload.policies.loading import resolve_policy
 from kvoffload.policies.lru import LruPolicy
-from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
+from kvoffload_spec.errors import (
+    BlockNotFoundError,
+    BlockPendingError,
+    InvalidArgumentError,
+    UnknownPolicyError,
+)
+from kvoffload_spec.model import SpecViolation
 from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
-from kvoffload_spec.surface import Key
+from kvoffload_spec.surface import Key, LoadPlan, StorePlan
 
 CAPACITY = 3  # ghosts are trimmed to this
 KEYS = list(range(5))  # more than CAPACITY: ghosts, and touches of absent keys
@@ -258,6 +265,11 @@ def test_ghost_hits_move_the_target_as_the_spec_does(in_b1: int, in_b2: int) -> 
             assert policy.lists() == (order.t1, order.t2, order.b1, order.b2)
 
 
+def reported(problems: list[str], pattern: str) -> bool:
+    """Whether one of ``problems`` is, word for word, the message ``pattern`` describes."""
+    return any(re.fullmatch(pattern, problem) for problem in problems)
+
+
 # -- what check_invariants says about a broken policy --------------------------------------------
 
 
@@ -275,7 +287,8 @@ def test_arc_reports_its_list_sizes() -> None:
     fates: dict[Key, str] = {0: "T1", 1: "T2"}
     policy = arc_with(fates)
     policy._t1_size += 1
-    assert [p for p in policy.check_invariants(evictable_in(fates)) if "ARC sizes" in p]
+    problems = policy.check_invariants(evictable_in(fates))
+    assert reported(problems, r"ARC sizes 2, 1 but T1=\[0\], T2=\[1\]")
 
 
 @pytest.mark.parametrize(
@@ -290,7 +303,8 @@ def test_arc_names_the_list_whose_evictable_keys_disagree(
 ) -> None:
     policy = arc_with(fates)
     claims = evictable_in({**fates, wrong: "T1"})  # the manager thinks ``wrong`` is evictable
-    assert [p for p in policy.check_invariants(claims) if f"ARC's {named} is" in p]
+    problems = policy.check_invariants(claims)
+    assert reported(problems, rf"ARC's {named} is \[.*\], the manager's \[.*\]")
 
 
 def test_repeated_stamps_are_reported() -> None:
@@ -331,7 +345,7 @@ def test_arc_reports_overlapping_lists_and_oversized_ghosts_or_target() -> None:
     evictable = evictable_in(fates)
     overlap = arc_with(fates)
     overlap._b1[0] = None  # a resident key that is also a ghost
-    assert [p for p in overlap.check_invariants(evictable) if p.startswith("ARC lists overlap")]
+    assert reported(overlap.check_invariants(evictable), r"ARC lists overlap: T1=.* B2=.*")
     too_many = arc_with(fates)
     too_many._b2.update(dict.fromkeys(range(10, 11 + CAPACITY)))
     too_far = arc_with(fates)
@@ -339,7 +353,8 @@ def test_arc_reports_overlapping_lists_and_oversized_ghosts_or_target() -> None:
     below = arc_with(fates)
     below.p = -1.0
     for broken in (too_many, too_far, below):  # each alone: ghosts, or the target
-        assert [p for p in broken.check_invariants(evictable) if p.startswith("ARC ghosts")]
+        problems = broken.check_invariants(evictable)
+        assert reported(problems, r"ARC ghosts \d+, \d+ or p=.* exceed 3")
 
 
 # -- the manager's counters ------------------------------------------------------------------
@@ -398,3 +413,197 @@ def test_stalled_plans_refuses_a_bad_age_and_names_it(older_than: object) -> Non
     manager = OffloadManager(4, "lru")
     with pytest.raises(InvalidArgumentError, match=r"^older_than must be"):
         manager.stalled_plans(older_than=older_than)  # type: ignore[arg-type]
+
+
+def test_every_counter_counts_each_event() -> None:
+    """Two or more of each event, so that a counter set rather than raised shows."""
+    manager = OffloadManager(8, "lru")
+    ok = manager.prepare_store([1, 2])
+    assert ok is not None
+    manager.complete_store(ok)
+    for keys in ([5, 6], [7]):
+        failed = manager.prepare_store(keys)
+        assert failed is not None
+        manager.complete_store(failed, success=False)
+    pending = manager.prepare_store([3])
+    for key in (1, 2, 1, 3, 3, 9, 8, 8):
+        manager.lookup(key)
+    for plan in (manager.prepare_load([1]), manager.prepare_load([2])):
+        manager.abandon(plan)
+    manager.reset_cache()
+    manager.reset_cache()
+    assert pending is not None
+    stats = manager.stats()
+    counted = (stats.lookup_hits, stats.lookup_misses, stats.lookup_pending)
+    assert counted == (3, 3, 2)
+    assert (stats.failed_stores, stats.abandoned_plans, stats.resets) == (3, 2, 2)
+
+
+def test_misused_calls_name_the_argument_and_the_key() -> None:
+    manager = OffloadManager(4, "lru")
+    plan = manager.prepare_store([1, 2])
+    assert plan is not None
+    with pytest.raises(InvalidArgumentError, match=r"^success "):
+        manager.complete_store(plan, success="yes")  # type: ignore[arg-type]
+    with pytest.raises(BlockPendingError, match=r"cannot load 1: its store has not completed"):
+        manager.prepare_load([1])
+    with pytest.raises(BlockNotFoundError, match=r"cannot load 7: it is not in the CPU pool"):
+        manager.prepare_load([7])
+
+
+class ChoosesPinned(LruPolicy):
+    """Chooses the least recent key, pinned or not: a policy that breaks its contract."""
+
+    def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
+        return sorted(self._stamps, key=self._stamps.__getitem__)[:need]
+
+
+def test_a_broken_policy_is_named_in_the_refusal() -> None:
+    manager = OffloadManager(2, ChoosesPinned)
+    plan = manager.prepare_store([1, 2])
+    assert plan is not None
+    manager.complete_store(plan)
+    manager.prepare_load([1])  # the least recent key, pinned: 2 is the one evictable
+    with pytest.raises(PolicyContractError, match=r"^ChoosesPinned\.choose_victims\(1\) chose"):
+        manager.prepare_store([3])
+
+
+# -- what check_invariants says about a corrupted manager -------------------------------------
+
+
+def healthy() -> tuple[OffloadManager, StorePlan, LoadPlan]:
+    """Keys 0 and 1 ready, 2 pinned by an open load plan, 3 pending on an open store plan
+    (slot 3); slots 4 and 5, the last of the pool, free again after a failed store.
+    """
+    manager = OffloadManager(6, "lru")
+    ready = manager.prepare_store([0, 1, 2])
+    assert ready is not None
+    manager.complete_store(ready)
+    store = manager.prepare_store([3])
+    failed = manager.prepare_store([4, 5])
+    assert store is not None and failed is not None
+    manager.complete_store(failed, success=False)
+    load = manager.prepare_load([2])
+    manager.check_invariants()
+    assert sorted(manager._freed) == [4, 5] and manager._fresh == manager.num_blocks
+    return manager, store, load
+
+
+def corrupt_slot_shared(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._slot_of[1] = m._slot_of[0]
+
+
+def corrupt_slot_leaked(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._freed.pop()
+
+
+def corrupt_slot_negative(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._slot_of[0] = -1
+
+
+def corrupt_slot_beyond_pool(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._freed.append(m._fresh)  # a seventh slot in a pool of six
+    m._fresh += 1
+
+
+def corrupt_heap(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._freed.sort(reverse=True)
+
+
+def corrupt_counter(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._num_evictable += 1
+
+
+def corrupt_opening_times(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    del m._opened_at[store.plan_id]
+
+
+def corrupt_abandoned_unknown(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._abandoned[99] = ()
+
+
+def corrupt_abandoned_load_quarantines(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._abandoned[load.plan_id] = (5,)
+
+
+def corrupt_quarantine_outside_plan(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m.abandon(store)
+    m._abandoned[store.plan_id] = (4,)
+
+
+def corrupt_plan_never_issued(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._next_plan_id = load.plan_id
+
+
+def corrupt_plan_from_the_future(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._open_plans[load.plan_id] = dataclasses.replace(load, generation=1)
+
+
+def corrupt_pending_elsewhere(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._storing[3] = 99
+
+
+def corrupt_load_slot(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._open_plans[load.plan_id] = dataclasses.replace(load, block_ids=(0,))
+
+
+def corrupt_refs(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._refs[0] = 1
+
+
+def corrupt_policy(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._policy.remove(3)
+
+
+def corrupt_lru_stamps(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._policy._stamps[1] = m._policy._stamps[0]  # type: ignore[attr-defined]
+
+
+def corrupt_offers(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._offers.update(dict.fromkeys(range(100, 100 + m._max_tracker_size + 1), 1))
+
+
+CORRUPTIONS = [
+    (corrupt_slot_shared, r"resident slots .* overlap or leak"),
+    (corrupt_slot_leaked, r"resident slots .* overlap or leak"),
+    (corrupt_slot_negative, r"a slot lies outside \[0, 6\) or beyond the pool"),
+    (corrupt_slot_beyond_pool, r"a slot lies outside \[0, 7\) or beyond the pool"),
+    (corrupt_heap, r"the free-slot heap \[5, 4\] is out of order"),
+    (corrupt_counter, r"evictable counter 3, but 2 are"),
+    (corrupt_opening_times, r"the open plans and their opening times disagree"),
+    (corrupt_abandoned_unknown, r"abandoned plan 99 is not an open store plan"),
+    (corrupt_abandoned_load_quarantines, r"abandoned plan \d+ is not an open store plan"),
+    (corrupt_quarantine_outside_plan, r"abandoned plan StorePlan\(.*\) quarantines slots \(4,\)"),
+    (corrupt_plan_never_issued, r"open plan \d+ was never issued"),
+    (corrupt_plan_from_the_future, r"open plan \d+ was never issued"),
+    (corrupt_pending_elsewhere, r"3 is pending on plan 99, which is not open now"),
+    (corrupt_load_slot, r"2 in slot 0 does not match open plan LoadPlan\(.*\)"),
+    (corrupt_refs, r"refs by slot \{0: 1, 2: 1\}, but current load plans read \{2: 1\}"),
+    (corrupt_policy, r"policy order \[.*\] does not hold exactly the resident keys"),
+    (corrupt_lru_stamps, r"LRU stamps repeat"),
+    (corrupt_offers, r"offer tracker holds \d+ keys"),
+]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "says"), CORRUPTIONS, ids=[corrupt.__name__ for corrupt, _ in CORRUPTIONS]
+)
+def test_check_invariants_reports_each_corruption_on_its_own(
+    corrupt: Callable[[OffloadManager, StorePlan, LoadPlan], None], says: str
+) -> None:
+    manager, store, load = healthy()
+    corrupt(manager, store, load)
+    with pytest.raises(SpecViolation) as raised:
+        manager.check_invariants()
+    assert reported(str(raised.value).split("; "), says), raised.value
+
+
+def test_check_invariants_lists_every_problem_apart() -> None:
+    manager, store, load = healthy()
+    corrupt_counter(manager, store, load)
+    corrupt_heap(manager, store, load)
+    with pytest.raises(SpecViolation) as raised:
+        manager.check_invariants()
+    problems = str(raised.value).split("; ")
+    assert reported(problems, r"evictable counter \d+, but \d+ are")
+    assert reported(problems, r"the free-slot heap \[.*\] is out of order")
