@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 
 import pytest
 from hypothesis import strategies as st
@@ -32,6 +32,7 @@ from kvoffload.policies.lru import LruPolicy
 from kvoffload_spec.errors import (
     BlockNotFoundError,
     BlockPendingError,
+    ForeignPlanError,
     InvalidArgumentError,
     UnknownPolicyError,
 )
@@ -328,16 +329,35 @@ class Incomplete(EvictionPolicy):
 @pytest.mark.parametrize(
     ("policy", "says"),
     [
-        ("kvoffload.no_such_module:Policy", "cannot import 'kvoffload.no_such_module'"),
-        ("kvoffload.policies:NoSuchPolicy", "'kvoffload.policies' has no 'NoSuchPolicy'"),
-        ("kvoffload.policies:LruPolicy:extra", "'kvoffload.policies' has no 'LruPolicy:extra'"),
-        ("kvoffload.policies:BUILTIN_POLICIES", "is not an EvictionPolicy subclass"),
-        (Incomplete, "leaves abstract methods unimplemented"),
+        (
+            "fifo",
+            "unknown policy 'fifo': choose one of lru, arc, an EvictionPolicy subclass, or "
+            "'module:Class'",
+        ),
+        (
+            "kvoffload.no_such_module:Policy",
+            "policy 'kvoffload.no_such_module:Policy': cannot import 'kvoffload.no_such_module'",
+        ),
+        (
+            "kvoffload.policies:NoSuchPolicy",
+            "policy 'kvoffload.policies:NoSuchPolicy': 'kvoffload.policies' has no 'NoSuchPolicy'",
+        ),
+        (
+            "kvoffload.policies:LruPolicy:extra",
+            "policy 'kvoffload.policies:LruPolicy:extra': 'kvoffload.policies' has no "
+            "'LruPolicy:extra'",
+        ),
+        (
+            "kvoffload.policies:BUILTIN_POLICIES",
+            "policy 'kvoffload.policies:BUILTIN_POLICIES' is not an EvictionPolicy subclass",
+        ),
+        (Incomplete, "policy 'Incomplete' leaves abstract methods unimplemented"),
     ],
 )
 def test_an_unusable_policy_is_refused_with_the_reason(policy: object, says: str) -> None:
-    with pytest.raises(UnknownPolicyError, match=re.escape(says)):
+    with pytest.raises(UnknownPolicyError) as raised:
         resolve_policy(policy)
+    assert str(raised.value) == says
 
 
 def test_arc_reports_overlapping_lists_and_oversized_ghosts_or_target() -> None:
@@ -415,28 +435,34 @@ def test_stalled_plans_refuses_a_bad_age_and_names_it(older_than: object) -> Non
         manager.stalled_plans(older_than=older_than)  # type: ignore[arg-type]
 
 
+def stored_plan(manager: OffloadManager, keys: Sequence[Key]) -> StorePlan:
+    plan = manager.prepare_store(keys)
+    assert plan is not None
+    return plan
+
+
 def test_every_counter_counts_each_event() -> None:
     """Two or more of each event, so that a counter set rather than raised shows."""
-    manager = OffloadManager(8, "lru")
-    ok = manager.prepare_store([1, 2])
-    assert ok is not None
-    manager.complete_store(ok)
+    manager = OffloadManager(4, "lru")
+    manager.complete_store(stored_plan(manager, [1, 2]))  # slots 0 and 1
     for keys in ([5, 6], [7]):
-        failed = manager.prepare_store(keys)
-        assert failed is not None
-        manager.complete_store(failed, success=False)
-    pending = manager.prepare_store([3])
-    for key in (1, 2, 1, 3, 3, 9, 8, 8):
+        manager.complete_store(stored_plan(manager, keys), success=False)  # 3 blocks failed
+    stored_plan(manager, [3])  # pending in slot 2: one slot left
+    for key in (1, 2, 1, 3, 3, 9, 8, 8):  # 3 hits, 2 pending, 3 misses
         manager.lookup(key)
     for plan in (manager.prepare_load([1]), manager.prepare_load([2])):
         manager.abandon(plan)
+    manager.complete_store(stored_plan(manager, [10, 11]))  # evicts 1
+    manager.complete_store(stored_plan(manager, [12, 13]))  # evicts 2 and 10
+    for keys in ([20, 21, 22, 23, 24], [30, 31, 32, 33, 34]):
+        assert manager.prepare_store(keys) is None  # more than the pool: refused at once
     manager.reset_cache()
     manager.reset_cache()
-    assert pending is not None
     stats = manager.stats()
-    counted = (stats.lookup_hits, stats.lookup_misses, stats.lookup_pending)
-    assert counted == (3, 3, 2)
-    assert (stats.failed_stores, stats.abandoned_plans, stats.resets) == (3, 2, 2)
+    assert (stats.lookup_hits, stats.lookup_pending, stats.lookup_misses) == (3, 2, 3)
+    assert (stats.blocks_stored, stats.failed_stores, stats.evictions) == (6, 3, 3)
+    assert (stats.rejected_stores, stats.fast_fail_rejections) == (2, 2)
+    assert (stats.abandoned_plans, stats.resets) == (2, 2)
 
 
 def test_misused_calls_name_the_argument_and_the_key() -> None:
@@ -506,8 +532,18 @@ def corrupt_slot_beyond_pool(m: OffloadManager, store: StorePlan, load: LoadPlan
     m._fresh += 1
 
 
+def corrupt_slot_at_the_top(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._freed.remove(5)  # slot 5 was never handed out: fresh is 5 ...
+    m._fresh = 5
+    m._slot_of[0] = 5  # ... yet key 0 sits there
+
+
 def corrupt_heap(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
     m._freed.sort(reverse=True)
+
+
+def corrupt_heap_deeper(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._freed[:] = [4, 7, 5, 6]  # only the fourth entry is smaller than its parent
 
 
 def corrupt_counter(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
@@ -555,6 +591,17 @@ def corrupt_policy(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
     m._policy.remove(3)
 
 
+def corrupt_policy_same_size(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m._policy.remove(3)
+    m._policy.insert(99)
+
+
+def corrupt_pending_on_abandoned(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
+    m.abandon(store)
+    m._storing[3] = store.plan_id  # as if the abandoned store still held its key
+    m._slot_of[3] = 3
+
+
 def corrupt_lru_stamps(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
     m._policy._stamps[1] = m._policy._stamps[0]  # type: ignore[attr-defined]
 
@@ -568,7 +615,9 @@ CORRUPTIONS = [
     (corrupt_slot_leaked, r"resident slots .* overlap or leak"),
     (corrupt_slot_negative, r"a slot lies outside \[0, 6\) or beyond the pool"),
     (corrupt_slot_beyond_pool, r"a slot lies outside \[0, 7\) or beyond the pool"),
+    (corrupt_slot_at_the_top, r"a slot lies outside \[0, 5\) or beyond the pool"),
     (corrupt_heap, r"the free-slot heap \[5, 4\] is out of order"),
+    (corrupt_heap_deeper, r"the free-slot heap \[4, 7, 5, 6\] is out of order"),
     (corrupt_counter, r"evictable counter 3, but 2 are"),
     (corrupt_opening_times, r"the open plans and their opening times disagree"),
     (corrupt_abandoned_unknown, r"abandoned plan 99 is not an open store plan"),
@@ -580,6 +629,8 @@ CORRUPTIONS = [
     (corrupt_load_slot, r"2 in slot 0 does not match open plan LoadPlan\(.*\)"),
     (corrupt_refs, r"refs by slot \{0: 1, 2: 1\}, but current load plans read \{2: 1\}"),
     (corrupt_policy, r"policy order \[.*\] does not hold exactly the resident keys"),
+    (corrupt_policy_same_size, r"policy order \[.*\] does not hold exactly the resident keys"),
+    (corrupt_pending_on_abandoned, r"3 is pending on plan \d+, which is not open now"),
     (corrupt_lru_stamps, r"LRU stamps repeat"),
     (corrupt_offers, r"offer tracker holds \d+ keys"),
 ]
@@ -607,3 +658,51 @@ def test_check_invariants_lists_every_problem_apart() -> None:
     problems = str(raised.value).split("; ")
     assert reported(problems, r"evictable counter \d+, but \d+ are")
     assert reported(problems, r"the free-slot heap \[.*\] is out of order")
+
+
+# -- constructor arguments, defaults and plan ownership -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        ({"num_blocks": 0}, r"num_blocks must be >= 1, got 0"),
+        ({"store_threshold": 0}, r"store_threshold must be >= 1, got 0"),
+        ({"max_tracker_size": 0}, r"max_tracker_size must be >= 1, got 0"),
+        ({"enable_events": 1}, r"enable_events must be True or False, got 1"),
+        ({"stall_after": 0}, r"stall_after must be a finite number of seconds > 0, got 0"),
+        ({"clock": 5}, r"clock must be a function returning seconds, like time.monotonic, got 5"),
+    ],
+)
+def test_a_bad_constructor_argument_is_named(arguments: dict[str, object], says: str) -> None:
+    given: dict[str, object] = {"num_blocks": 4, **arguments}
+    with pytest.raises(InvalidArgumentError) as raised:
+        OffloadManager(**given)  # type: ignore[arg-type]
+    assert re.fullmatch(says, str(raised.value))
+
+
+def test_a_plan_open_for_300_seconds_is_stalled_by_default() -> None:
+    clock = Clock()
+    manager = OffloadManager(4, "lru", clock=clock)
+    plan = manager.prepare_store([1])
+    clock.now = 299.5
+    assert manager.stalled_plans() == []
+    clock.now = 300.5
+    assert manager.stalled_plans() == [plan]
+
+
+def test_the_offer_tracker_remembers_64000_keys_by_default() -> None:
+    manager = OffloadManager(4, "lru", store_threshold=2)
+    assert stored_plan(manager, ["first"]).keys == ()  # offered once: not stored yet
+    assert stored_plan(manager, range(64_000)).keys == ()  # pushes "first" out
+    assert stored_plan(manager, ["first"]).keys == ()  # offered once again, as if new
+    assert stored_plan(manager, ["first"]).keys == ("first",)
+
+
+def test_a_plan_of_another_manager_is_foreign() -> None:
+    first, second = OffloadManager(4, "lru"), OffloadManager(4, "lru")
+    second.prepare_store([1])
+    plan = first.prepare_store([1])
+    assert plan is not None
+    with pytest.raises(ForeignPlanError):
+        second.complete_store(plan)
