@@ -706,3 +706,14 @@ def test_a_plan_of_another_manager_is_foreign() -> None:
     assert plan is not None
     with pytest.raises(ForeignPlanError):
         second.complete_store(plan)
+
+
+def test_a_repeated_free_slot_is_an_overlap_not_a_heap_disorder() -> None:
+    """The heap property is parent <= child: equal entries are in order."""
+    manager, _, _ = healthy()
+    manager._freed[:] = [4, 4]  # slot 5 leaked, slot 4 listed twice
+    with pytest.raises(SpecViolation) as raised:
+        manager.check_invariants()
+    problems = str(raised.value).split("; ")
+    assert reported(problems, r"resident slots .* overlap or leak")
+    assert not reported(problems, r"the free-slot heap .*")
