@@ -42,12 +42,11 @@ from pathlib import Path
 import numpy
 
 from kvoffload.manager import OffloadManager
-from kvoffload.traces import Trace, TraceError, bundled_trace, load_trace
+from kvoffload.traces import Trace, bundled_trace
 from kvoffload_spec.surface import Key, Lookup
 from naive_manager import naive_manager
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake"
 POLICIES = ("lru", "arc")
 PINNED_FRACTIONS = (0.0, 0.5, 0.99)
 BIG_DICT = 1_000  # entries: from here a rebuild of the dict is a pause of tens of us
@@ -493,10 +492,7 @@ def bench_memory(n: int) -> Memory:
 
 
 def conversation_trace() -> Trace:
-    try:
-        return bundled_trace("conversation")
-    except (TraceError, FileNotFoundError):
-        return load_trace(SHARED_TRACE / "conversation_trace.jsonl", "conversation")
+    return bundled_trace("conversation")
 
 
 def replay(manager: OffloadManager, requests: Sequence[Sequence[Key]]) -> tuple[int, int]:

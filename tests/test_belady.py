@@ -18,7 +18,7 @@ def test_module_examples() -> None:
     assert doctest.testmod(kvoffload.belady).failed == 0
 
 
-# shared/traces/README.md, from an independent simulation
+# The reference figures published with the traces, from an independent simulation
 REFERENCE = {
     ("conversation", 1000): 0.1906,
     ("conversation", 4000): 0.3223,

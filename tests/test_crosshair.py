@@ -36,7 +36,7 @@ from tests.spec_variants import CONTRACTS_SOURCE, VARIANTS, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 CLASSES = ("LruContracts", "ArcContracts")
-SPEC_TIMEOUT = 4.0  # CPU seconds per target (DESIGN.md section 6 found 5 enough for 10 targets)
+SPEC_TIMEOUT = 4.0  # CPU seconds per target (a probe found 5 enough for 10 targets)
 FIND_TIMEOUT = 40.0  # a canary or a planted bug is found well within this
 POSTCONDITION = "        assert not invariant_violations(self)\n\n    def "
 

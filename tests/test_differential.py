@@ -1,9 +1,10 @@
 """The production manager against the spec, step by step, with the conformance kit.
 
 ``check_conformance`` drives an ``OffloadManager`` and the spec's ``OffloadModel`` with the
-same calls and compares every observable and internal counter after every step (DESIGN.md
-section 6). The planted bugs below show the comparison can fail: each is a one-line slip
-of the kind peers shipped, and the machine must find it.
+same calls and compares every observable and internal counter after every step (without
+the counters, a probe never found a failed-store counter bug). The planted bugs below show
+the comparison can fail: each is a one-line slip of the kind peers shipped, and the machine
+must find it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def managers(policy: str | type[EvictionPolicy]) -> ManagerFactory:
 
 
 # An example costs ~10 ms, and deep ARC states (target p above |T1|, T2 all pinned) need
-# many histories: run at least 1,000 whatever the profile asks (DESIGN.md section 6).
+# many histories: run at least 1,000 whatever the profile asks (a probe found 200 too few).
 EXAMPLES = max(settings().max_examples, 1_000)
 
 

@@ -30,7 +30,8 @@ def test_module_examples() -> None:
     assert doctest.testmod(kvoffload.sweep).failed == 0
 
 
-# shared/traces/README.md: a single-tier LRU cache in the engine's call order
+# The reference figures published with the traces: a single-tier LRU cache in the engine's
+# call order
 REFERENCE_LRU = {
     ("conversation", 1000): 0.0445,
     ("conversation", 4000): 0.0865,

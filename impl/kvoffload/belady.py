@@ -3,8 +3,8 @@
 Offline, with the whole trace known: per request, the hits are the longest prefix of
 resident ids; then each id of the request, in order, becomes resident unless it is never
 used again, and when the cache is full the resident block whose next use is farthest away is
-evicted (blocks of the current request included). This is the reference simulation of
-``shared/traces/README.md``.
+evicted (blocks of the current request included). This is the reference simulation
+whose figures accompany the bundled traces (docs/performance.md).
 
 Next uses are precomputed in one backward pass; the farthest next use comes from a max-heap
 with lazy deletion (an entry is stale once its key was evicted or used again), compacted

@@ -6,7 +6,7 @@ preconditions and whose trailing asserts are its postconditions (CrossHair's "as
 analysis), bound as a method of ``LruChecks`` and ``ArcChecks``. Every check states, among
 others:
 
-- the invariants of DESIGN.md section 2 hold before and after (``check_invariants``),
+- the invariants of docs/spec.md hold before and after (``check_invariants``),
   among them the evictable counter of vLLM PR #45757;
 - the counter moves by exactly what the call made or stopped being evictable;
 - a call that fails (``prepare_store`` returning None, an ``OffloadError``) changes no cache

@@ -491,7 +491,7 @@ class OffloadManager:
         return checked
 
     def _invariant_violations(self) -> list[str]:
-        """Every invariant of DESIGN.md section 2 this manager breaks, in words."""
+        """Every invariant of docs/spec.md this manager breaks, in words."""
         problems: list[str] = []
         slots = list(self._slot_of.values())
         quarantined = [slot for held in self._abandoned.values() for slot in held]

@@ -23,7 +23,7 @@ closes with the postcondition (every invariant still holds). Check one method at
         kvoffload_spec.contracts.LruContracts.check_prepare_store
 
 Capacities stay tiny on purpose: CrossHair found a planted protection bug in 4 s with 3
-blocks and not in 20 s with 5 (DESIGN.md section 6).
+blocks and not in 20 s with 5 (a probe on the 2-core development machines).
 """
 
 from __future__ import annotations

@@ -367,7 +367,7 @@ class SpecState:
 
 
 def invariant_violations(state: SpecState) -> list[str]:
-    """Every invariant of the design (DESIGN.md section 2) that ``state`` breaks, in words."""
+    """Every invariant of the design (docs/spec.md, Invariants) that ``state`` breaks, in words."""
     problems: list[str] = []
     n = state.num_blocks
     blocks = state.blocks

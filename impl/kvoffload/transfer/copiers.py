@@ -3,7 +3,7 @@
 Both take every byte range from :class:`~kvoffload.transfer.runs.CopyRuns` and allocate
 nothing the size of the data. ``MemmoveCopier`` is the CPU path: one C call per run,
 without building a tensor view per run, which is what holds 64 KiB runs near memcpy speed
-(DESIGN.md section 4); ctypes releases the GIL during the call, so a worker thread copies
+(docs/data_path.md); ctypes releases the GIL during the call, so a worker thread copies
 while the caller runs Python. ``TensorCopier`` issues ``copy_(non_blocking=True)`` per run:
 on CUDA that is ``cudaMemcpyAsync`` on the current stream; on CPU it is the reference the
 tests compare the fast path against.

@@ -1,0 +1,33 @@
+"""What a user gets from the repository and the wheel stands on its own."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ("README.md", "docs", "impl", "spec", "bench")
+# Files a user does not have: the planning notes and the folder beside the repository.
+OUTSIDE = re.compile(r"DESIGN\.md|\.\./shared|shared/traces|shared/hooks")
+
+
+def test_docs_and_code_point_only_inside_the_repository() -> None:
+    offenders = []
+    for top in SHIPPED:
+        root = ROOT / top
+        paths = [root] if root.is_file() else sorted(root.rglob("*"))
+        for path in paths:
+            if path.suffix not in {".md", ".py", ".sh", ".toml", ".txt"}:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if OUTSIDE.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def test_the_declared_license_ships_with_the_package() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^license = "Apache-2.0"$', pyproject, re.MULTILINE)
+    assert re.search(r'^license-files = \[.*"LICENSE"', pyproject, re.MULTILINE)
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
