@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,3 +33,17 @@ def test_the_declared_license_ships_with_the_package() -> None:
     assert re.search(r'^license-files = \[.*"LICENSE"', pyproject, re.MULTILINE)
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
+
+
+def test_the_product_imports_no_checker() -> None:
+    probe = (
+        "import sys\n"
+        "from kvoffload import OffloadManager, Offloader\n"
+        "checkers = ('hypothesis', 'crosshair', 'kvoffload_spec.explore',"
+        " 'kvoffload.conformance', 'kvoffload.contracts')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(checkers)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert done.stdout.strip() == "[]"
