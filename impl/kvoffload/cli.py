@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help, --version or a usage error: argparse has spoken
         return exit_.code if isinstance(exit_.code, int) else EXIT_ERROR
     command: Callable[[argparse.Namespace], int] = args.command
+    _search_working_directory()
     try:
         return command(args)
     except OffloadError as error:
@@ -46,6 +48,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"kvoffload {args.command_name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _search_working_directory() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does.
+
+    An installed console script starts with its own ``bin/`` directory there instead, so
+    ``--policy mypolicies:Class`` would not find the ``mypolicies.py`` next to the user.
+    """
+    try:
+        here = os.getcwd()
+    except OSError:  # the working directory was deleted: nothing to import from it
+        return
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.insert(0, here)
 
 
 def _fail(args: argparse.Namespace, message: str) -> int:
