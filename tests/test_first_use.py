@@ -161,3 +161,36 @@ def test_the_broken_example_policy_is_caught_as_the_user_guide_shows() -> None:
     shown = guide.split("$ kvoffload verify --policy mypolicies:GivesUpOnProtected\n")[1]
     history = shown.split("counterexample:\n")[1].split("```")[0]
     assert history.strip() in done.stdout, done.stdout
+
+
+# -- pipes -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sweep", "--trace", "synthetic", "--capacities", "100", "--policies", "lru", "--json"],
+        ["sweep", "--trace", "synthetic", "--capacities", "100", "--policies", "lru"],
+        ["simulate", "--trace", "synthetic", "--gpu-blocks", "400", "--requests", "5", "--json"],
+        ["verify", "--budget", "0.5", "--json"],
+    ],
+    ids=["sweep-json", "sweep-table", "simulate-json", "verify-json"],
+)
+def test_a_reader_that_leaves_early_ends_the_command_quietly(argv: list[str]) -> None:
+    # `kvoffload ... | head -1` once head has exited: the read end is already closed when
+    # the command writes, so every write fails with EPIPE
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvoffload", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 141  # 128 + SIGPIPE, as a Unix tool killed by the pipe

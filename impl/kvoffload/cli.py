@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_ERROR = 1  # a user error (bad trace, size, policy) or a verification that failed
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a Unix tool killed by a closed pipe reports
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"kvoffload {args.command_name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader left (`... | head`): stop quietly, as Unix tools do
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
 
 
 def _search_working_directory() -> None:
@@ -62,6 +66,20 @@ def _search_working_directory() -> None:
         return
     if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
         sys.path.insert(0, here)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush of what is
+    still buffered does not fail again with a second, unhandled ``BrokenPipeError``."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured, replaced)
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, descriptor)
+    finally:
+        os.close(null)
 
 
 def _fail(args: argparse.Namespace, message: str) -> int:
@@ -360,7 +378,13 @@ def _print_json(payload: object) -> None:
 def _console(stderr: bool = False) -> Console:
     from rich.console import Console
 
-    return Console(stderr=stderr)
+    class PipeAwareConsole(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would exit with status 1 here; main() ends the way it ends any command
+            self.quiet = True
+            raise BrokenPipeError
+
+    return PipeAwareConsole(stderr=stderr)
 
 
 def _progress(console: Console, enabled: bool) -> Any:
