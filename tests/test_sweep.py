@@ -93,8 +93,10 @@ def model_tier(policy: PolicyName, capacity: int) -> CacheTier:
 
 
 # prefix-chained like real traces: a request is a path in a small tree of blocks
-chains = st.lists(st.integers(0, 3), min_size=0, max_size=6).map(
-    lambda path: tuple(hash(tuple(path[: i + 1])) % 10_007 for i in range(len(path)))
+chains = st.lists(
+    st.integers(1, 4), min_size=0, max_size=6
+).map(  # one id per prefix
+    lambda path: tuple(int("".join(map(str, path[: i + 1]))) for i in range(len(path)))
 )
 traces = st.lists(chains, min_size=1, max_size=25)
 

@@ -223,8 +223,9 @@ def _add_trace_argument(parser: argparse.ArgumentParser) -> None:
         "--trace",
         metavar="FILE",
         default=None,
-        help="JSON-lines trace with 'hash_ids' per request, or the name of a bundled trace "
-        "(conversation, synthetic); default: the bundled conversation trace",
+        help="JSON-lines trace with 'hash_ids' per request (.jsonl, or gzipped .jsonl.gz), "
+        "or the name of a bundled trace (conversation, synthetic); default: the bundled "
+        "conversation trace",
     )
 
 
