@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import doctest
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given
@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 
 import kvoffload.sweep
 from kvoffload.belady import belady_hits
+from kvoffload.policies import LruPolicy
 from kvoffload.sweep import (
     CacheTier,
     DevicePrefixCache,
+    PolicyName,
     SweepPoint,
     cpu_stream,
     new_manager,
@@ -24,6 +26,7 @@ from kvoffload.sweep import (
 from kvoffload.traces import Request, Trace, bundled_trace
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
+from kvoffload_spec.surface import Key
 
 
 def test_module_examples() -> None:
@@ -85,13 +88,16 @@ def plain_lru(requests: Sequence[Request], capacity: int) -> int:
     return hits
 
 
-def model_tier(policy: str, capacity: int) -> CacheTier:
+def model_tier(policy: PolicyName, capacity: int) -> CacheTier:
+    assert isinstance(policy, str), "the spec knows the built-in policies by name only"
     return OffloadModel(capacity, policy)
 
 
 # prefix-chained like real traces: a request is a path in a small tree of blocks
-chains = st.lists(st.integers(0, 3), min_size=0, max_size=6).map(
-    lambda path: tuple(hash(tuple(path[: i + 1])) % 10_007 for i in range(len(path)))
+chains = st.lists(
+    st.integers(1, 4), min_size=0, max_size=6
+).map(  # one id per prefix
+    lambda path: tuple(int("".join(map(str, path[: i + 1]))) for i in range(len(path)))
 )
 traces = st.lists(chains, min_size=1, max_size=25)
 
@@ -155,12 +161,13 @@ def test_sweep_is_capacity_major_and_reports_in_the_json_format() -> None:
     ]
     assert result.points[-1] == SweepPoint("belady", 3, belady_hits(trace.requests, 3) / 13)
     payload = result.to_json()
-    assert list(payload) == ["results"]
-    assert payload["results"][0] == {
-        "policy": "lru",
-        "capacity": 2,
-        "hit_ratio": result.points[0].hit_ratio,
-    }
+    assert payload["trace"] == "t" and payload["requests"] == 5 and payload["block_refs"] == 13
+    assert payload["gpu_blocks"] == 0 and payload["device_hit_ratio"] == 0.0
+    assert payload["infinite_cache_hit_ratio"] == trace.ideal_hit_ratio
+    assert payload["results"] == [
+        {"policy": p.policy, "capacity": p.capacity, "hit_ratio": p.hit_ratio}
+        for p in result.points
+    ]
 
 
 def test_sweep_refuses_impossible_arguments_before_any_work() -> None:
@@ -179,3 +186,42 @@ def test_the_default_tier_is_the_production_manager() -> None:
     tier = new_manager("arc", 16)
     assert type(tier).__name__ == "OffloadManager"
     assert replay([(1, 2), (1, 2)], tier).hits == 2
+
+
+class Fifo(LruPolicy):
+    """First stored, first evicted: an LRU that ignores touches."""
+
+    def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
+        pass
+
+
+def test_a_policy_of_your_own_is_swept_under_its_class_name() -> None:
+    trace = Trace("t", ((1, 2, 3), (1, 2, 4), (1, 2, 3), (5,), (1, 2, 3)))
+    by_class = sweep(trace, [2, 3], ["lru", Fifo, "belady"])
+    assert [p.policy for p in by_class.points] == ["lru", "Fifo", "belady"] * 2
+    fifo = [p.hit_ratio for p in by_class.points if p.policy == "Fifo"]
+    assert fifo == [replay(trace.requests, new_manager(Fifo, c)).hits / 13 for c in (2, 3)]
+    by_path = sweep(trace, [2, 3], ["lru", f"{__name__}:Fifo", "belady"])
+    assert by_path.points == by_class.points
+
+
+def test_sweep_names_each_policy_once_and_at_least_one() -> None:
+    trace = Trace("t", ((1, 2, 3),))
+    with pytest.raises(InvalidArgumentError, match="at least one policy"):
+        sweep(trace, [4], [])
+    with pytest.raises(InvalidArgumentError, match="at least one policy"):
+        sweep(trace, [4], "lru")  # a lone name, not a list
+    with pytest.raises(InvalidArgumentError, match="labelled 'lru'"):
+        sweep(trace, [4], ["lru", "lru"])
+    with pytest.raises(InvalidArgumentError, match="labelled 'Fifo'"):
+        sweep(trace, [4], [Fifo, f"{__name__}:Fifo"])
+    with pytest.raises(UnknownPolicyError, match="cannot import 'nosuchmodule'"):
+        sweep(trace, [4], ["nosuchmodule:Policy"])
+
+
+def test_every_built_in_policy_can_be_swept() -> None:
+    from kvoffload.policies import BUILTIN_POLICIES
+
+    trace = Trace("t", ((1, 2, 3), (1, 2, 4), (1, 2, 3)))
+    points = sweep(trace, [3], [*BUILTIN_POLICIES, "belady"]).points
+    assert [p.policy for p in points] == [*BUILTIN_POLICIES, "belady"]

@@ -77,6 +77,11 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def __dir__() -> list[str]:
+    """What ``dir(kvoffload)`` and completion show: the lazy exports too, not yet loaded."""
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
     "BlockNotFoundError",
     "BlockNotReadyError",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_ERROR = 1  # a user error (bad trace, size, policy) or a verification that failed
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a Unix tool killed by a closed pipe reports
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help, --version or a usage error: argparse has spoken
         return exit_.code if isinstance(exit_.code, int) else EXIT_ERROR
     command: Callable[[argparse.Namespace], int] = args.command
+    _search_working_directory()
     try:
         return command(args)
     except OffloadError as error:
@@ -46,6 +49,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"kvoffload {args.command_name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader left (`... | head`): stop quietly, as Unix tools do
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _search_working_directory() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does.
+
+    An installed console script starts with its own ``bin/`` directory there instead, so
+    ``--policy mypolicies:Class`` would not find the ``mypolicies.py`` next to the user.
+    """
+    try:
+        here = os.getcwd()
+    except OSError:  # the working directory was deleted: nothing to import from it
+        return
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.insert(0, here)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush of what is
+    still buffered does not fail again with a second, unhandled ``BrokenPipeError``."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured, replaced)
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, descriptor)
+    finally:
+        os.close(null)
 
 
 def _fail(args: argparse.Namespace, message: str) -> int:
@@ -57,6 +91,11 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # the policy registry is a few small modules (no torch, no numpy): read names from it
+    from kvoffload.policies.loading import BUILTIN_POLICIES
+    from kvoffload.sweep import BELADY, DEFAULT_CAPACITIES, SWEEP_POLICIES
+
+    builtin = "|".join(BUILTIN_POLICIES)
     parser = argparse.ArgumentParser(
         prog="kvoffload",
         description="Offload LLM KV-cache blocks to a CPU block pool: replay traces, compare "
@@ -75,35 +114,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_argument(simulate)
     simulate.add_argument(
         "--gpu-blocks",
-        type=_count,
+        type=_count("blocks"),
         default=1024,
         metavar="N",
         help="device prefix cache size in blocks; must hold the longest request "
-        "(default: %(default)s)",
+        f"(default: %(default)s; {_DECIMAL_SUFFIXES})",
     )
     simulate.add_argument(
         "--cpu-blocks",
-        type=_count,
+        type=_count("blocks"),
         default=4096,
         metavar="N",
-        help="CPU pool size in blocks (default: %(default)s)",
+        help=f"CPU pool size in blocks (default: %(default)s; {_DECIMAL_SUFFIXES})",
     )
     simulate.add_argument(
         "--policy",
         default="lru",
-        metavar="lru|arc",
-        help="the CPU pool's eviction policy (default: %(default)s)",
+        metavar=f"{builtin}|module:Class",
+        help="the CPU pool's eviction policy: a built-in one, or your own EvictionPolicy "
+        "subclass, imported from the current directory or PYTHONPATH (default: %(default)s)",
     )
     simulate.add_argument(
         "--block-bytes",
         type=_byte_size,
         default=4096,
         metavar="BYTES",
-        help="bytes per KV block, e.g. 4096, 64KiB, 2MiB (default: %(default)s)",
+        help="bytes per KV block, e.g. 4096, 64KiB, 2MiB; binary units: 1 KiB = 1,024 "
+        "bytes (default: %(default)s)",
     )
     simulate.add_argument(
         "--requests",
-        type=_count,
+        type=_count("requests"),
         default=None,
         metavar="N",
         help="replay only the first N requests",
@@ -120,30 +161,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_argument(sweep)
     sweep.add_argument(
         "--gpu-blocks",
-        type=_count_or_zero,
+        type=_count("blocks", minimum=0),
         default=0,
         metavar="N",
         help="device prefix cache in front of the CPU tier; 0 means a single tier "
-        "(default: %(default)s)",
+        f"(default: %(default)s; {_DECIMAL_SUFFIXES})",
     )
     sweep.add_argument(
         "--capacities",
         type=_count_list,
-        default="1000,4000,16000,64000",
+        default=",".join(map(str, DEFAULT_CAPACITIES)),
         metavar="N,N,...",
-        help="CPU capacities in blocks, e.g. 1000,4k,16k (default: %(default)s)",
+        help="CPU capacities in blocks, e.g. 1000,4k,16k; decimal suffixes: 4k = 4,000 and "
+        "1m = 1,000,000 blocks (default: %(default)s)",
     )
     sweep.add_argument(
         "--policies",
         type=_name_list,
-        default="lru,arc,belady",
+        default=",".join(SWEEP_POLICIES),
         metavar="P,P,...",
-        help="any of lru, arc, belady (default: %(default)s)",
+        help=f"any of {', '.join([*BUILTIN_POLICIES, BELADY])}, or your own as module:Class "
+        "(its column is the class name) (default: %(default)s)",
     )
     sweep.add_argument(
         "--plot",
-        metavar="FILE.png",
-        help="draw the curves into FILE.png (needs matplotlib: pip install 'kvoffload[plot]')",
+        metavar="FILE",
+        help="draw the curves into FILE, a .png, .svg or .pdf (needs matplotlib: "
+        "pip install 'kvoffload[plot]'); checked before the sweep starts",
     )
     _add_json_argument(sweep)
     sweep.set_defaults(command=_run_sweep, command_name="sweep")
@@ -158,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--policy",
         default="lru",
-        metavar="lru|arc|module:Class",
-        help="the policy to check (default: %(default)s)",
+        metavar=f"{builtin}|module:Class",
+        help="the policy to check: a built-in one, or your own EvictionPolicy subclass, "
+        "imported from the current directory or PYTHONPATH (default: %(default)s)",
     )
     verify.add_argument(
         "--budget",
@@ -178,8 +223,9 @@ def _add_trace_argument(parser: argparse.ArgumentParser) -> None:
         "--trace",
         metavar="FILE",
         default=None,
-        help="JSON-lines trace with 'hash_ids' per request, or the name of a bundled trace "
-        "(conversation, synthetic); default: the bundled conversation trace",
+        help="JSON-lines trace with 'hash_ids' per request (.jsonl, or gzipped .jsonl.gz), "
+        "or the name of a bundled trace (conversation, synthetic); default: the bundled "
+        "conversation trace",
     )
 
 
@@ -199,24 +245,32 @@ def _version() -> str:
 # -- argument types: argparse turns their ValueError into a usage error ---------------------
 
 
-def _count(text: str) -> int:
-    value = _count_or_zero(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+_DECIMAL_SUFFIXES = "decimal suffixes: 4k = 4,000"
 
 
-def _count_or_zero(text: str) -> int:
-    """A block count; ``4k`` means 4000, as in the reference tables."""
-    cleaned = text.strip().lower().replace("_", "")
-    factor = 1
-    if cleaned.endswith("k"):
-        cleaned, factor = cleaned[:-1], 1000
-    elif cleaned.endswith("m"):
-        cleaned, factor = cleaned[:-1], 1_000_000
-    if not cleaned.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of blocks")
-    return int(cleaned) * factor
+def _count(unit: str, minimum: int = 1) -> Callable[[str], int]:
+    """An argument type: a whole number of ``unit`` of at least ``minimum``, where ``4k``
+    means 4,000 and ``1m`` 1,000,000 (decimal, as in the reference tables; byte sizes are
+    binary instead: 1 KiB = 1,024 bytes).
+    """
+
+    def parse(text: str) -> int:
+        cleaned = text.strip().lower().replace("_", "")
+        factor = 1
+        if cleaned.endswith("k"):
+            cleaned, factor = cleaned[:-1], 1000
+        elif cleaned.endswith("m"):
+            cleaned, factor = cleaned[:-1], 1_000_000
+        negative = cleaned.startswith("-") and cleaned[1:].isdigit()
+        if not cleaned.isdigit() and not negative:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of {unit}")
+        value = int(cleaned) * factor
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be at least {minimum}")
+        return value
+
+    parse.__name__ = f"number of {unit}"  # argparse names the type in some messages
+    return parse
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -234,11 +288,17 @@ def _byte_size(text: str) -> int:
 
 
 def _count_list(text: str) -> list[int]:
-    return [_count(part) for part in text.split(",") if part.strip()]
+    counts = [_count("blocks")(part) for part in text.split(",") if part.strip()]
+    if not counts:
+        raise argparse.ArgumentTypeError("give at least one capacity, e.g. 1000,4k")
+    return counts
 
 
 def _name_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one policy, e.g. lru,belady")
+    return names
 
 
 def _seconds(text: str) -> float:
@@ -344,7 +404,13 @@ def _print_json(payload: object) -> None:
 def _console(stderr: bool = False) -> Console:
     from rich.console import Console
 
-    return Console(stderr=stderr)
+    class PipeAwareConsole(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would exit with status 1 here; main() ends the way it ends any command
+            self.quiet = True
+            raise BrokenPipeError
+
+    return PipeAwareConsole(stderr=stderr)
 
 
 def _progress(console: Console, enabled: bool) -> Any:
@@ -428,12 +494,27 @@ def _show_verification(report: VerifyReport) -> None:
         print(f"\ncounterexample:\n{report.counterexample}")
 
 
-def _check_plot_target(path: str) -> None:
-    """Fail before a long sweep, not after it, when the plot cannot be drawn."""
-    import importlib.util
+PLOT_FORMATS = (".png", ".svg", ".pdf")
 
-    if not path.lower().endswith(".png"):
-        raise InvalidArgumentError(f"--plot wants a .png file name, got {path!r}")
+
+def _check_plot_target(path: str) -> None:
+    """Fail before a long sweep, not after it, when the plot cannot be drawn or written."""
+    import importlib.util
+    from pathlib import Path
+
+    target = Path(path)
+    if target.suffix.lower() not in PLOT_FORMATS:
+        raise InvalidArgumentError(
+            f"--plot wants a file name ending in {', '.join(PLOT_FORMATS)}, got {path!r}"
+        )
+    folder = target.parent
+    if not folder.is_dir():
+        raise InvalidArgumentError(f"cannot write {path}: no directory {str(folder)!r}")
+    if target.is_dir():
+        raise InvalidArgumentError(f"cannot write {path}: it is a directory")
+    writable = os.access(target, os.W_OK) if target.exists() else os.access(folder, os.W_OK)
+    if not writable:
+        raise InvalidArgumentError(f"cannot write {path}: permission denied")
     if importlib.util.find_spec("matplotlib") is None:
         raise InvalidArgumentError(
             "--plot needs matplotlib, which is not installed: pip install 'kvoffload[plot]'"

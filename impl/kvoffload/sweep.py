@@ -28,6 +28,15 @@ Ratios are over all block references of the trace, so the tiers' ratios add up.
 lru 3 0.444
 arc 3 0.444
 belady 3 0.556
+
+A policy is named as everywhere else: a built-in name, ``"module:Class"`` or an
+``EvictionPolicy`` subclass; the results of one of your own carry its class name:
+
+>>> from kvoffload.policies import LruPolicy
+>>> class Renamed(LruPolicy):
+...     pass
+>>> [point.policy for point in sweep(trace, [3], [Renamed, "belady"]).points]
+['Renamed', 'belady']
 """
 
 from __future__ import annotations
@@ -39,13 +48,19 @@ from itertools import islice
 from typing import Protocol
 
 from kvoffload.belady import belady_hits
+from kvoffload.policies.base import EvictionPolicy
+from kvoffload.policies.loading import BUILTIN_POLICIES, resolve_policy
 from kvoffload.traces import Request, Trace
-from kvoffload_spec.errors import InvalidArgumentError
+from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
 from kvoffload_spec.surface import Key, Lookup, StorePlan
-from kvoffload_spec.validation import check_count, check_policy_name
+from kvoffload_spec.validation import check_count
 
-SWEEP_POLICIES = ("lru", "arc", "belady")
+BELADY = "belady"  # the offline optimum: not a policy a manager runs, computed on the side
+SWEEP_POLICIES = ("lru", "arc", BELADY)  # the default of sweep() and of `kvoffload sweep`
 DEFAULT_CAPACITIES = (1000, 4000, 16000, 64000)
+
+PolicyName = str | type[EvictionPolicy]
+"""A built-in name, ``"belady"``, ``"module:Class"`` or an ``EvictionPolicy`` subclass."""
 
 
 class CacheTier(Protocol):
@@ -60,11 +75,12 @@ class CacheTier(Protocol):
     def touch(self, keys: Sequence[Key]) -> None: ...
 
 
-TierFactory = Callable[[str, int], CacheTier]
-"""Builds a CPU tier from a policy name and a capacity in blocks."""
+TierFactory = Callable[[PolicyName, int], CacheTier]
+"""Builds a CPU tier from a policy (a built-in name or a policy class) and a capacity in
+blocks."""
 
 
-def new_manager(policy: str, capacity: int) -> CacheTier:
+def new_manager(policy: PolicyName, capacity: int) -> CacheTier:
     """The production manager: fast enough for whole traces at any capacity."""
     from kvoffload.manager import OffloadManager
 
@@ -171,62 +187,116 @@ class SweepPoint:
     hit_ratio: float
 
 
+def label_policies(policies: Sequence[PolicyName]) -> dict[str, PolicyName]:
+    """Each policy by the label of its results: a built-in name (and ``"belady"``) as it
+    is, a policy of your own by its class name, resolved to its class. Raises
+    ``UnknownPolicyError`` for a policy that is not there, ``InvalidArgumentError`` for
+    none at all or two policies that would share a label.
+    """
+    if isinstance(policies, str) or not policies:
+        raise InvalidArgumentError(
+            f"give at least one policy in a list, e.g. {list(SWEEP_POLICIES)}, got {policies!r}"
+        )
+    labelled: dict[str, PolicyName] = {}
+    for policy in policies:
+        resolved: PolicyName
+        if policy == BELADY or (isinstance(policy, str) and policy in BUILTIN_POLICIES):
+            label, resolved = str(policy), policy
+        elif isinstance(policy, str) and ":" not in policy:
+            known = ", ".join([*BUILTIN_POLICIES, BELADY])
+            raise UnknownPolicyError(
+                f"unknown policy {policy!r}: choose among {known}, or name your own as "
+                "'module:Class'"
+            )
+        else:
+            policy_class = resolve_policy(policy)
+            label, resolved = policy_class.__name__, policy_class
+        if label in labelled:
+            raise InvalidArgumentError(f"two policies are labelled {label!r}: name each once")
+        labelled[label] = resolved
+    return labelled
+
+
 def check_sweep_args(
-    trace: Trace, capacities: Sequence[int], policies: Sequence[str], gpu_blocks: int
-) -> None:
-    """Raise ``InvalidArgumentError`` for any impossible size or unknown policy."""
+    trace: Trace, capacities: Sequence[int], policies: Sequence[PolicyName], gpu_blocks: int
+) -> dict[str, PolicyName]:
+    """The policies by label (``label_policies``); raise ``InvalidArgumentError`` for any
+    impossible size, ``UnknownPolicyError`` for an unknown policy."""
     if not capacities:
         raise InvalidArgumentError("give at least one CPU capacity")
     for capacity in capacities:
         check_count("capacity", capacity)
-    for policy in policies:
-        check_policy_name(policy, SWEEP_POLICIES)
+    labelled = label_policies(policies)
     check_count("gpu_blocks", gpu_blocks, minimum=0)
     if 0 < gpu_blocks < trace.longest_request:
         raise InvalidArgumentError(
             f"--gpu-blocks {gpu_blocks} cannot hold the longest request of trace "
             f"{trace.name!r} ({trace.longest_request} blocks); use 0 for a single tier"
         )
+    return labelled
 
 
 @dataclass(frozen=True)
 class SweepResult:
-    """A sweep's points, capacity-major, and the hit ratio of the device tier in front."""
+    """A sweep's points, capacity-major, the hit ratio of the device tier in front, and
+    the trace they were measured on (what the table's title shows)."""
 
     points: tuple[SweepPoint, ...]
     device_hit_ratio: float
+    trace: str = ""
+    requests: int = 0
+    block_refs: int = 0
+    gpu_blocks: int = 0
+    infinite_cache_hit_ratio: float = 0.0
 
-    def to_json(self) -> dict[str, list[dict[str, object]]]:
+    def to_json(self) -> dict[str, object]:
         """The format of ``kvoffload sweep --json``."""
         return {
+            "trace": self.trace,
+            "requests": self.requests,
+            "block_refs": self.block_refs,
+            "gpu_blocks": self.gpu_blocks,
+            "device_hit_ratio": self.device_hit_ratio,
+            "infinite_cache_hit_ratio": self.infinite_cache_hit_ratio,
             "results": [
                 {"policy": p.policy, "capacity": p.capacity, "hit_ratio": p.hit_ratio}
                 for p in self.points
-            ]
+            ],
         }
 
 
 def sweep(
     trace: Trace,
     capacities: Sequence[int],
-    policies: Sequence[str] = SWEEP_POLICIES,
+    policies: Sequence[PolicyName] = SWEEP_POLICIES,
     *,
     gpu_blocks: int = 0,
     new_tier: TierFactory = new_manager,
     on_point: Callable[[SweepPoint], None] | None = None,
 ) -> SweepResult:
-    """The CPU tier's hit ratio for each capacity and policy; ``on_point`` hears each one."""
-    check_sweep_args(trace, capacities, policies, gpu_blocks)
+    """The CPU tier's hit ratio for each capacity and policy; ``on_point`` hears each one.
+
+    Every argument is checked before any work: see ``check_sweep_args``.
+    """
+    labelled = check_sweep_args(trace, capacities, policies, gpu_blocks)
     stream, device_hits = cpu_stream(trace.requests, gpu_blocks)
     refs = trace.num_refs or 1  # an all-empty trace has no hits either way
     points: list[SweepPoint] = []
     for capacity in capacities:
-        for policy in policies:
-            if policy == "belady":
+        for label, policy in labelled.items():
+            if policy == BELADY:
                 hits = belady_hits(stream, capacity)
             else:
                 hits = replay(stream, new_tier(policy, capacity)).hits
-            points.append(SweepPoint(policy, capacity, hits / refs))
+            points.append(SweepPoint(label, capacity, hits / refs))
             if on_point is not None:
                 on_point(points[-1])
-    return SweepResult(tuple(points), device_hits / refs)
+    return SweepResult(
+        tuple(points),
+        device_hits / refs,
+        trace=trace.name,
+        requests=trace.num_requests,
+        block_refs=trace.num_refs,
+        gpu_blocks=gpu_blocks,
+        infinite_cache_hit_ratio=trace.ideal_hit_ratio,
+    )
