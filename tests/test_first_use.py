@@ -395,3 +395,45 @@ def test_verify_prints_a_conformance_counterexample_as_a_history(
     assert "num_blocks=3" in lines[0] or "num_blocks=4" in lines[0], lines[0]
     assert re.fullmatch(r"  \d+\. prepare_store\(\[.+\]\)", lines[-2]), lines
     assert re.fullmatch(r"  -> a store needing 1 was refused; \d could go", lines[-1]), lines
+
+
+# -- the README, as written --------------------------------------------------------------------
+
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_readme_opens_with_exactly_the_two_set_up_and_run_commands() -> None:
+    first = README.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in first.splitlines() if line and not line.startswith("#")]
+    assert commands == [
+        "python3 -m venv .venv && .venv/bin/pip install -q -r requirements.txt && "
+        ".venv/bin/kvoffload simulate",
+        "python3 -m venv .venv && .venv/bin/pip install -q -r requirements-dev.txt && "
+        ".venv/bin/python -m pytest",
+    ]
+
+
+def test_the_readme_integration_example_runs_as_written(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    section = README.split("## Integrating it", 1)[1]
+    source = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "stream_wait(load)" in source  # the forward pass must wait for the copy
+    exec(compile(source, "README.md", "exec"), {"__name__": "readme"})
+    printed = capsys.readouterr().out.splitlines()
+    promised = [
+        line.split("  # ")[1].split(":")[0] for line in source.splitlines() if "print(" in line
+    ]
+    assert printed == promised
+
+
+def test_the_readme_verify_command_runs_as_written() -> None:
+    line = next(line for line in README.splitlines() if line.startswith("$ cd docs/examples"))
+    command = line.removeprefix("$ ").split("  #")[0]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{KVOFFLOAD.parent}{os.pathsep}{env.get('PATH', '')}"  # an activated venv
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "conforms to the spec" in done.stdout
