@@ -437,3 +437,38 @@ def test_the_readme_verify_command_runs_as_written() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "conforms to the spec" in done.stdout
+
+
+# -- the gate's long steps say what they are doing -------------------------------------------
+
+
+def test_progress_reaches_the_terminal_while_pytest_captures_output(tmp_path: Path) -> None:
+    (tmp_path / "test_long.py").write_text(
+        textwrap.dedent(
+            """
+            from tests.progress import progress
+
+            def test_long(pytestconfig):
+                say = progress(pytestconfig)
+                say("CrossHair   1/2   3.0 s  first target")
+                print("a captured print, shown only if the test fails")
+                say("CrossHair   2/2   6.0 s  second target")
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_long.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "CrossHair   1/2   3.0 s  first target" in lines, done.stdout
+    assert "CrossHair   2/2   6.0 s  second target" in lines, done.stdout
+    assert "a captured print" not in done.stdout  # capturing itself is untouched
+
