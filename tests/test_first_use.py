@@ -471,4 +471,3 @@ def test_progress_reaches_the_terminal_while_pytest_captures_output(tmp_path: Pa
     assert "CrossHair   1/2   3.0 s  first target" in lines, done.stdout
     assert "CrossHair   2/2   6.0 s  second target" in lines, done.stdout
     assert "a captured print" not in done.stdout  # capturing itself is untouched
-
