@@ -11,7 +11,7 @@ spec/kvoffload_spec/contracts.py), two at a time. Three kinds of run:
 - planted bugs (tests/spec_variants.py): CrossHair must find each.
 
 Any "Unable to meet precondition" line fails the gate too. The whole module takes about a
-minute on two cores.
+minute on two cores; each target's verdict is shown on the terminal as it comes in.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from kvoffload_spec.contracts import CHECKS, MAX_BLOCKS, ArcContracts, LruContracts
 from kvoffload_spec.state import invariant_violations
 from kvoffload_spec.surface import LoadPlan, StorePlan
+from tests.progress import progress
 from tests.spec_variants import CONTRACTS_SOURCE, VARIANTS, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,6 +74,26 @@ def crosshair(target: str, timeout: float, pythonpath: Sequence[Path] = ()) -> R
     return Run(target, done.returncode, (done.stdout + done.stderr).strip(), seconds)
 
 
+def crosshair_all(
+    jobs: Sequence[tuple[str, float]], pythonpath: Sequence[Path], say: Callable[[str], None]
+) -> dict[str, Run]:
+    """Run every (target, timeout), two at a time (the machine has two cores), saying each
+    verdict as it comes: the runs take minutes, and a silent gate looks hung."""
+    started = time.perf_counter()
+    say(f"CrossHair: {len(jobs)} targets, two at a time")
+    runs: dict[str, Run] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        pending = [pool.submit(crosshair, target, timeout, pythonpath) for target, timeout in jobs]
+        for future in as_completed(pending):
+            run = future.result()
+            runs[run.target] = run
+            say(
+                f"CrossHair {len(runs):3}/{len(jobs)} {time.perf_counter() - started:6.1f} s  "
+                f"({run.seconds:5.1f} s, rc {run.returncode})  {run.target}"
+            )
+    return {target: runs[target] for target, _ in jobs}
+
+
 def spec_targets(module: str = "kvoffload_spec.contracts") -> list[str]:
     return [f"{module}.{cls}.{check}" for cls in CLASSES for check in CHECKS]
 
@@ -86,7 +107,9 @@ def write_canaries(directory: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[dict[str, Run]]:
     """Every CrossHair run of this module, two at a time (the machine has two cores)."""
     scratch = tmp_path_factory.mktemp("crosshair")
     jobs = [(target, SPEC_TIMEOUT) for target in spec_targets()]
@@ -94,11 +117,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
     for variant in VARIANTS:
         if variant.crosshair is not None:
             jobs.append((f"{variant.write_contracts(scratch)}.{variant.crosshair}", FIND_TIMEOUT))
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        done = list(pool.map(lambda job: crosshair(job[0], job[1], [scratch]), jobs))
-    for run in done:
-        print(f"{run.seconds:6.1f} s  rc {run.returncode}  {run.target}")
-    yield {run.target: run for run in done}
+    yield crosshair_all(jobs, [scratch], progress(pytestconfig))
 
 
 @pytest.mark.parametrize("target", spec_targets())

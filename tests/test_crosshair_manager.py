@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Container, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,8 @@ from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.lru import LruPolicy
 from kvoffload_spec.surface import Key, LoadPlan, StorePlan
 from kvoffload_spec.validation import check_flag
-from tests.test_crosshair import Run, crosshair
+from tests.progress import progress
+from tests.test_crosshair import Run, crosshair_all
 
 SECONDS_PER_TARGET = 3.0  # CPU seconds of search per check
 SECONDS_TO_FIND = 40.0  # a canary or a planted bug is found within a few
@@ -136,17 +136,15 @@ PLANTED = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[dict[str, Run]]:
     """Every CrossHair run of this module, two at a time (the machine has two cores)."""
     scratch = tmp_path_factory.mktemp("crosshair_manager")
     jobs = [(target, SECONDS_PER_TARGET) for target in targets()]
     jobs += [(target, SECONDS_TO_FIND) for target in targets(write_canaries(scratch))]
     jobs += [(target, SECONDS_TO_FIND) for target in PLANTED]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        done = list(pool.map(lambda job: crosshair(job[0], job[1], [scratch]), jobs))
-    for run in done:
-        print(f"{run.seconds:6.1f} s  rc {run.returncode}  {run.target}")
-    yield {run.target: run for run in done}
+    yield crosshair_all(jobs, [scratch], progress(pytestconfig))
 
 
 @pytest.mark.parametrize("target", targets())

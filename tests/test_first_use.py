@@ -3,18 +3,22 @@ and the README's examples, run as written."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 import pytest
 
 from kvoffload.cli import main
-from kvoffload.policies import resolve_policy
+from kvoffload.policies import LruPolicy, resolve_policy
 from kvoffload_spec.errors import UnknownPolicyError
+from kvoffload_spec.surface import Key
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "docs" / "examples"
@@ -325,3 +329,145 @@ def test_a_wheel_built_in_the_checkout_is_ignored_by_git() -> None:
         check=False,
     )
     assert done.returncode == 0, "a `pip wheel .` artefact in the repo root is not ignored"
+
+
+# -- conformance counterexamples, in words ---------------------------------------------------
+
+
+class EvictsNewestFirst(LruPolicy):
+    """Claims to be LRU, but evicts the most recent block first."""
+
+    def _candidates(self, protected: Container[Key]) -> Iterator[Key]:
+        return (key for key in reversed(self._evictable) if key not in protected)
+
+
+class RefusesAboveTwoBlocks(LruPolicy):
+    """Refuses every eviction in a pool of three blocks or more: the exploration's pool of
+    two never sees it, the conformance machine's pools of up to four do."""
+
+    def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
+        return None if self.capacity > 2 else super().choose_victims(need, protected)
+
+
+def assert_reads_as_a_history(text: str) -> list[str]:
+    """Numbered manager calls from 1, then the verdict; no Hypothesis vocabulary."""
+    lines = text.splitlines()
+    assert lines[0].startswith("a failing history, on a manager with ")
+    calls = [line for line in lines if re.match(r"  \d+\. ", line)]
+    assert calls, text
+    assert [int(line.split(".")[0]) for line in calls] == list(range(1, len(calls) + 1))
+    assert any(line.startswith("  -> ") for line in lines), text
+    for jargon in ("state.", "Draw ", "data(", "Falsifying", "teardown"):
+        assert jargon not in text, text
+    return lines
+
+
+def test_a_conformance_failure_is_the_history_of_manager_calls_and_the_two_results() -> None:
+    from hypothesis import Phase, settings
+
+    from kvoffload.conformance import ConformanceError, check_conformance
+    from kvoffload.manager import OffloadManager
+
+    quick = settings(max_examples=2000, database=None, deadline=None)
+    with pytest.raises(ConformanceError) as caught:
+        check_conformance(
+            functools.partial(OffloadManager, policy=EvictsNewestFirst),
+            policy="lru",
+            settings=settings(quick, phases=[Phase.generate, Phase.shrink]),
+        )
+    lines = assert_reads_as_a_history(str(caught.value))
+    assert re.search(r"^  \d+\. prepare_store\(\[.*\]\)$", "\n".join(lines), re.M), lines
+    manager = next(line for line in lines if line.startswith("     the manager: "))
+    spec = next(line for line in lines if line.startswith("     the spec:    "))
+    assert manager.split(": ", 1)[1] != spec.split(": ", 1)[1]  # the two results differ
+    # shrunk: a few calls, not the 30 of a random history
+    assert sum(bool(re.match(r"  \d+\. ", line)) for line in lines) <= 8, lines
+
+
+def test_verify_prints_a_conformance_counterexample_as_a_history(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["verify", "--policy", f"{__name__}:RefusesAboveTwoBlocks", "--budget", "20"])
+    out = capsys.readouterr().out
+    assert code == 1
+    counterexample = out.split("counterexample:\n")[1]
+    lines = assert_reads_as_a_history(counterexample)
+    assert "num_blocks=3" in lines[0] or "num_blocks=4" in lines[0], lines[0]
+    assert re.fullmatch(r"  \d+\. prepare_store\(\[.+\]\)", lines[-2]), lines
+    assert re.fullmatch(r"  -> a store needing 1 was refused; \d could go", lines[-1]), lines
+
+
+# -- the README, as written --------------------------------------------------------------------
+
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_readme_opens_with_exactly_the_two_set_up_and_run_commands() -> None:
+    first = README.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in first.splitlines() if line and not line.startswith("#")]
+    assert commands == [
+        "python3 -m venv .venv && .venv/bin/pip install -q -r requirements.txt && "
+        ".venv/bin/kvoffload simulate",
+        "python3 -m venv .venv && .venv/bin/pip install -q -r requirements-dev.txt && "
+        ".venv/bin/python -m pytest",
+    ]
+
+
+def test_the_readme_integration_example_runs_as_written(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    section = README.split("## Integrating it", 1)[1]
+    source = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "stream_wait(load)" in source  # the forward pass must wait for the copy
+    exec(compile(source, "README.md", "exec"), {"__name__": "readme"})
+    printed = capsys.readouterr().out.splitlines()
+    promised = [
+        line.split("  # ")[1].split(":")[0] for line in source.splitlines() if "print(" in line
+    ]
+    assert printed == promised
+
+
+def test_the_readme_verify_command_runs_as_written() -> None:
+    line = next(line for line in README.splitlines() if line.startswith("$ cd docs/examples"))
+    command = line.removeprefix("$ ").split("  #")[0]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{KVOFFLOAD.parent}{os.pathsep}{env.get('PATH', '')}"  # an activated venv
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "conforms to the spec" in done.stdout
+
+
+# -- the gate's long steps say what they are doing -------------------------------------------
+
+
+def test_progress_reaches_the_terminal_while_pytest_captures_output(tmp_path: Path) -> None:
+    (tmp_path / "test_long.py").write_text(
+        textwrap.dedent(
+            """
+            from tests.progress import progress
+
+            def test_long(pytestconfig):
+                say = progress(pytestconfig)
+                say("CrossHair   1/2   3.0 s  first target")
+                print("a captured print, shown only if the test fails")
+                say("CrossHair   2/2   6.0 s  second target")
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_long.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "CrossHair   1/2   3.0 s  first target" in lines, done.stdout
+    assert "CrossHair   2/2   6.0 s  second target" in lines, done.stdout
+    assert "a captured print" not in done.stdout  # capturing itself is untouched

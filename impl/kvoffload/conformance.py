@@ -108,13 +108,30 @@ def _attempt(call: Callable[[], _T]) -> _T | OffloadError:
         raise ConformanceError(f"crashed: {error!r}") from error
 
 
-def _same(what: str, got: object, expected: object) -> None:
+def _agree(got: object, expected: object) -> bool:
     if isinstance(got, OffloadError) or isinstance(expected, OffloadError):
-        agree = type(got) is type(expected)
-    else:
-        agree = got == expected
-    if not agree:
-        raise ConformanceError(f"{what}: the manager gave {got!r}, the spec {expected!r}")
+        return type(got) is type(expected)
+    return got == expected
+
+
+def _shown(result: object) -> str:
+    """A result as a person reads it: a plan's fields by name, an error by its class."""
+    if isinstance(result, OffloadError):
+        return f"raised {type(result).__name__}"
+    if isinstance(result, StorePlan):
+        return (
+            f"StorePlan(keys={list(result.keys)!r}, block_ids={list(result.block_ids)!r}, "
+            f"evicted={list(result.evicted_keys)!r}, plan_id={result.plan_id}, "
+            f"generation={result.generation})"
+        )
+    if isinstance(result, LoadPlan):
+        return (
+            f"LoadPlan(keys={list(result.keys)!r}, block_ids={list(result.block_ids)!r}, "
+            f"plan_id={result.plan_id}, generation={result.generation})"
+        )
+    if result is None:
+        return "None"
+    return repr(result)
 
 
 def _complete(target: ManagerLike | OffloadModel, plan: object) -> None:
@@ -126,7 +143,11 @@ def _complete(target: ManagerLike | OffloadModel, plan: object) -> None:
 
 
 class ConformanceMachine(RuleBasedStateMachine):
-    """Drives a manager and the spec side by side (build one with ``conformance_machine``)."""
+    """Drives a manager and the spec side by side (build one with ``conformance_machine``).
+
+    Every call is recorded, numbered, with the manager's result, so that a failure reads as
+    the explorer's do: the history of manager calls, then the two results that differed.
+    """
 
     make_manager: ClassVar[ManagerFactory]
     policy: ClassVar[str | None]
@@ -139,6 +160,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.stores: list[tuple[StorePlan, StorePlan]] = []  # open: (manager's, spec's)
         self.loads: list[tuple[LoadPlan, LoadPlan]] = []
         self.closed: list[tuple[Plan, Plan]] = []
+        self.setting = ""  # the manager's configuration, in words
+        self.history: list[tuple[str, object]] = []  # (call, the manager's result)
+        self.plan_names: dict[int, str] = {}  # id() of a manager's plan -> "plan N"
 
     @initialize(
         num_blocks=st.integers(1, 4),
@@ -161,6 +185,11 @@ class ConformanceMachine(RuleBasedStateMachine):
         the pool is full), so that most histories start where eviction happens.
         """
         self.keys = KEY_POOL[:pool]
+        self.setting = (
+            f"num_blocks={num_blocks}, store_threshold={store_threshold}, "
+            f"max_tracker_size={max_tracker_size}, enable_events={enable_events}; "
+            f"keys {', '.join(map(repr, self.keys))}"
+        )
         self.manager = type(self).make_manager(
             num_blocks,
             store_threshold=store_threshold,
@@ -228,8 +257,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         only pending ones (they stay in T1), or only ready ones (they move to T2).
         """
         keys = self._draw_keys(data, among=None if among is None else self._keys_in(among))
-        got = _attempt(lambda: self.manager.touch(keys))
-        _same(f"touch({keys!r})", got, _attempt(lambda: self.model.touch(keys)))
+        self._both(
+            f"touch({keys!r})", lambda: self.manager.touch(keys), lambda: self.model.touch(keys)
+        )
 
     @precondition(lambda self: bool(self.stores or self.loads))
     @rule(data=st.data())
@@ -239,18 +269,21 @@ class ConformanceMachine(RuleBasedStateMachine):
         """
         open_plans: list[tuple[Plan, Plan]] = [*self.stores, *self.loads]
         mine, spec = data.draw(st.sampled_from(open_plans))
-        got = _attempt(lambda: self.manager.abandon(mine))
-        _same(f"abandon({mine!r})", got, _attempt(lambda: self.model.abandon(spec)))
+        self._both(
+            f"abandon({self._name(mine)})",
+            lambda: self.manager.abandon(mine),
+            lambda: self.model.abandon(spec),
+        )
 
     @precondition(lambda self: self.model.num_free_blocks < self.model.num_blocks)
     @rule()
     def reset(self) -> None:
-        got = _attempt(self.manager.reset_cache)
-        _same("reset_cache()", got, _attempt(self.model.reset_cache))
+        self._both("reset_cache()", self.manager.reset_cache, self.model.reset_cache)
 
     @rule()
     def clone(self) -> None:
         """Carry on with deep copies: plans issued before must still complete on the clones."""
+        self.history.append(("copy.deepcopy(manager): the calls go on on the copy", None))
         self.manager = copy.deepcopy(self.manager)
         self.model = copy.deepcopy(self.model)
 
@@ -269,22 +302,27 @@ class ConformanceMachine(RuleBasedStateMachine):
             self._bad_keys(data.draw(st.sampled_from(KEYED_METHODS)), data.draw(BAD_KEYS))
             return
         mine, spec = data.draw(st.sampled_from(self.closed if kind in again else plans))
-        got = _attempt(lambda: _misuse(self.manager, mine, spec, kind))
-        expected = _attempt(lambda: _misuse(self.model, spec, mine, kind))
-        _same(f"{kind}: {mine!r}", got, expected)
+        self._both(
+            _misuse_call(kind, self._name(mine), mine),
+            lambda: _misuse(self.manager, mine, spec, kind),
+            lambda: _misuse(self.model, spec, mine, kind),
+        )
 
     # -- after every step ------------------------------------------------------------------
 
     @invariant()
     def agree(self) -> None:
-        self.manager.check_invariants()
+        try:
+            self.manager.check_invariants()
+        except Exception as error:  # a broken invariant is whatever the manager raises
+            raise self._failure(f"the manager's check_invariants() raised {error!r}") from error
         self.model.check_invariants()
         views = ("num_blocks", "num_free_blocks", "num_evictable_blocks", "num_quarantined_blocks")
         for view in views:
-            _same(view, getattr(self.manager, view), getattr(self.model, view))
+            self._same(view, getattr(self.manager, view), getattr(self.model, view))
         for key in self.keys:
-            _same(f"lookup({key!r})", self.manager.lookup(key), self.model.lookup(key))
-        _same("take_events()", self.manager.take_events(), self.model.take_events())
+            self._same(f"lookup({key!r})", self.manager.lookup(key), self.model.lookup(key))
+        self._same("take_events()", self.manager.take_events(), self.model.take_events())
         if isinstance(self.manager, OffloadManager):
             self._agree_on_stats(self.manager)
             if self.policy is not None:
@@ -297,12 +335,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         pending = sum(1 for block in blocks if not block.ready)
         pinned = sum(1 for block in blocks if block.ready and block.refs)
         evictable, free = model.num_evictable_blocks, model.num_free_blocks
-        _same(
-            "stats() gauges",
+        self._same(
+            "stats() (resident, pending, pinned, evictable, free)",
             (stats.resident, stats.pending, stats.pinned, stats.evictable, stats.free),
             (len(blocks), pending, pinned, evictable, free),
         )
-        _same("stats().quarantined", stats.quarantined, model.num_quarantined_blocks)
+        self._same("stats().quarantined", stats.quarantined, model.num_quarantined_blocks)
 
     def _agree_on_order(self, manager: OffloadManager) -> None:
         """The built-in policies' internal order, compared directly: a wrong order shows up
@@ -310,13 +348,70 @@ class ConformanceMachine(RuleBasedStateMachine):
         """
         policy, order = manager.policy, self.model.state.order
         if isinstance(policy, LruPolicy) and isinstance(order, LruOrder):
-            _same("LRU order", policy.resident(), order.order)
+            self._same("LRU order", policy.resident(), order.order)
         elif isinstance(policy, ArcPolicy) and isinstance(order, ArcOrder):
-            _same(
-                "ARC lists and p",
+            self._same(
+                "ARC lists (T1, T2, B1, B2) and p",
                 (*policy.lists(), policy.p),
                 (order.t1, order.t2, order.b1, order.b2, order.p),
             )
+
+    # -- the record, and failures that read as histories -----------------------------------
+
+    def _both(
+        self,
+        call: str,
+        on_manager: Callable[[], object],
+        on_spec: Callable[[], object],
+        between: Callable[[object], None] | None = None,
+    ) -> tuple[object, object]:
+        """Make ``call`` on the manager, then on the spec; record it; the results must
+        agree (``between`` hears the manager's result before the spec is called)."""
+        try:
+            got = _attempt(on_manager)
+            if between is not None:
+                between(got)
+            expected = _attempt(on_spec)
+        except AssertionError as failure:  # a crash, or victims the spec cannot accept
+            self.history.append((call, None))
+            raise self._failure(str(failure), last_result=False) from failure
+        self.history.append((call, got))
+        if not _agree(got, expected):
+            raise self._failure(
+                "the results differ:\n"
+                f"     the manager: {_shown(got)}\n"
+                f"     the spec:    {_shown(expected)}",
+                last_result=False,
+            )
+        return got, expected
+
+    def _same(self, what: str, got: object, expected: object) -> None:
+        """What both report after the last call must agree."""
+        if not _agree(got, expected):
+            raise self._failure(
+                f"then {what} differs:\n"
+                f"     the manager: {_shown(got)}\n"
+                f"     the spec:    {_shown(expected)}"
+            )
+
+    def _failure(self, what: str, last_result: bool = True) -> ConformanceError:
+        """``what`` went wrong, after the history so far: numbered calls with the manager's
+        results (the last call's result is in ``what`` unless ``last_result``)."""
+        lines = [f"a failing history, on a manager with {self.setting}:"]
+        for number, (call, result) in enumerate(self.history, start=1):
+            shown_result = last_result or number < len(self.history)
+            returned = f" -> {_shown(result)}" if shown_result and "deepcopy" not in call else ""
+            lines.append(f"  {number}. {call}{returned}")
+        lines.append(f"  -> {what}")
+        return ConformanceError("\n".join(lines))
+
+    def _name(self, plan: Plan) -> str:
+        """A plan by the call that made it, as the history numbers calls."""
+        return self.plan_names.get(id(plan), repr(plan))
+
+    def _named(self, plan: object) -> None:
+        if isinstance(plan, (StorePlan, LoadPlan)):
+            self.plan_names[id(plan)] = f"plan {len(self.history) + 1}"
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -324,45 +419,79 @@ class ConformanceMachine(RuleBasedStateMachine):
         return data.draw(st.lists(st.sampled_from(among or self.keys), max_size=5))
 
     def _store(self, keys: list[Key]) -> None:
-        got = _attempt(lambda: self.manager.prepare_store(keys))
-        order = self.model.state.order
-        if isinstance(order, DictatedOrder):
-            order.answer = got.evicted_keys if isinstance(got, StorePlan) else None
-        expected = _attempt(lambda: self.model.prepare_store(keys))
-        _same(f"prepare_store({keys!r})", got, expected)
+        def dictate(got: object) -> None:
+            self._named(got)
+            order = self.model.state.order
+            if isinstance(order, DictatedOrder):
+                order.answer = got.evicted_keys if isinstance(got, StorePlan) else None
+
+        got, expected = self._both(
+            f"prepare_store({keys!r})",
+            lambda: self.manager.prepare_store(keys),
+            lambda: self.model.prepare_store(keys),
+            between=dictate,
+        )
         if isinstance(got, StorePlan) and isinstance(expected, StorePlan):
             self.stores.append((got, expected))
 
     def _complete_store(self, index: int, success: bool) -> None:
         mine, spec = self.stores.pop(index)
-        got = _attempt(lambda: self.manager.complete_store(mine, success))
-        expected = _attempt(lambda: self.model.complete_store(spec, success))
-        _same(f"complete_store({mine!r}, {success})", got, expected)
+        self._both(
+            f"complete_store({self._name(mine)}, success={success})",
+            lambda: self.manager.complete_store(mine, success),
+            lambda: self.model.complete_store(spec, success),
+        )
         self.closed.append((mine, spec))
 
     def _complete_load(self, index: int) -> None:
         mine, spec = self.loads.pop(index)
-        got = _attempt(lambda: self.manager.complete_load(mine))
-        expected = _attempt(lambda: self.model.complete_load(spec))
-        _same(f"complete_load({mine!r})", got, expected)
+        self._both(
+            f"complete_load({self._name(mine)})",
+            lambda: self.manager.complete_load(mine),
+            lambda: self.model.complete_load(spec),
+        )
         self.closed.append((mine, spec))
 
     def _keys_in(self, state: Lookup) -> list[Key]:
         return [key for key in self.keys if self.model.lookup(key) is state]
 
     def _load(self, keys: list[Key]) -> None:
-        got = _attempt(lambda: self.manager.prepare_load(keys))
-        expected = _attempt(lambda: self.model.prepare_load(keys))
-        _same(f"prepare_load({keys!r})", got, expected)
+        got, expected = self._both(
+            f"prepare_load({keys!r})",
+            lambda: self.manager.prepare_load(keys),
+            lambda: self.model.prepare_load(keys),
+            between=self._named,
+        )
         if isinstance(got, LoadPlan) and isinstance(expected, LoadPlan):
             self.loads.append((got, expected))
 
     def _bad_keys(self, method: str, argument: object) -> None:
         if method == "lookup" and isinstance(argument, list):
             argument = [argument]  # a list is unhashable, so never a valid key
-        got = _attempt(lambda: getattr(self.manager, method)(argument))
-        expected = _attempt(lambda: getattr(self.model, method)(argument))
-        _same(f"{method}({argument!r})", got, expected)
+        self._both(
+            f"{method}({argument!r})",
+            lambda: getattr(self.manager, method)(argument),
+            lambda: getattr(self.model, method)(argument),
+        )
+
+
+def _misuse_call(kind: str, name: str, plan: Plan) -> str:
+    """The misusing call as the history shows it."""
+    complete = "complete_load" if isinstance(plan, LoadPlan) else "complete_store"
+    other = "complete_store" if isinstance(plan, LoadPlan) else "complete_load"
+    return {
+        "again": f"{complete}({name})  # again",
+        "abandon again": f"abandon({name})  # again",
+        "abandon junk": "abandon('not a plan')",
+        "foreign": f"{complete}(the spec's twin of {name})  # another manager's plan",
+        "other kind": f"{other}({name})  # the wrong kind of plan",
+        "forged id": f"{complete}({name} with plan_id + 1000)",
+        "altered": f"{complete}({name} with generation + 1)",
+        "flag": f"complete_store({name}, success='yes')"
+        if isinstance(plan, StorePlan)
+        else "complete_store('not a plan')",
+        "junk": "complete_store('not a plan')",
+    }.get(kind, f"{complete}('not a plan')")
 
 
 def _misuse(target: ManagerLike | OffloadModel, own: Plan, other: Plan, kind: str) -> None:
@@ -413,14 +542,17 @@ def check_conformance(
     stateful_step_count: int | None = None,
 ) -> None:
     """Check that managers from ``make_manager`` behave as the spec does; raise
-    ``AssertionError`` (usually ``ConformanceError``) with a minimal failing history if not.
+    ``ConformanceError`` if not, whose message is the failing history, shrunk: the
+    manager's configuration, every call numbered with its arguments and the manager's
+    result, and the two results (or states) that differed.
 
     ``policy`` is the built-in policy the manager uses ("lru" or "arc": compared exactly),
     or None for a policy of your own (victims are only checked for legality). ``settings``
     defaults to the current Hypothesis profile; ``max_examples`` and
-    ``stateful_step_count`` override it.
+    ``stateful_step_count`` override it. One failure is reported, the first one shrunk
+    (``report_multiple_bugs`` is off).
     """
-    chosen = settings or hypothesis.settings()
+    chosen = hypothesis.settings(settings or hypothesis.settings(), report_multiple_bugs=False)
     if max_examples is not None:
         chosen = hypothesis.settings(chosen, max_examples=max_examples)
     if stateful_step_count is not None:

@@ -264,6 +264,11 @@ def _hypothesis_files_elsewhere() -> Iterator[None]:
 
 
 def _describe(failure: AssertionError) -> str:
-    """The failure and the minimal history Hypothesis attached to it."""
+    """The failing history: the kit's own words (numbered manager calls, the results that
+    differed), or, for any other assertion, the failure and what Hypothesis attached."""
+    from kvoffload.conformance import ConformanceError
+
+    if isinstance(failure, ConformanceError):
+        return str(failure)
     notes = getattr(failure, "__notes__", [])
     return "\n".join([f"{type(failure).__name__}: {failure}", *notes]).strip()
