@@ -15,13 +15,20 @@ from collections.abc import Callable, Container, Sequence
 import pytest
 from hypothesis import Phase, settings
 
-from kvoffload.conformance import ManagerFactory, check_conformance
+from kvoffload.conformance import (
+    ConformanceError,
+    ManagerFactory,
+    check_conformance,
+    check_directed_histories,
+)
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.lru import LruPolicy
+from kvoffload_spec import OffloadModel
+from kvoffload_spec.policies import ArcOrder
 from kvoffload_spec.surface import Key, LoadPlan, StorePlan
-from kvoffload_spec.validation import check_flag
+from kvoffload_spec.validation import check_flag, check_keys
 
 
 def managers(policy: str | type[EvictionPolicy]) -> ManagerFactory:
@@ -149,6 +156,31 @@ class LruRestampedWhenUnpinned(LruPolicy):
         super().mark_evictable(key)
 
 
+class TouchDeduplicatedKeepingTheLast(OffloadManager):
+    """Restamps each key of a touch once, but keeps its *last* occurrence: in ``[a, b, a]``,
+    ``b`` ends most recent instead of ``a``.
+    """
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        once = list(dict.fromkeys(reversed(check_keys(keys))))
+        self._policy.touch(once[::-1], self._is_ready)
+
+
+class ArcIntegerTarget(ArcPolicy):
+    """ARC adapting its target by whole blocks: the ratio of the ghost lists is floored."""
+
+    def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
+        for key in reversed(keys):
+            if key in self._b1:
+                self.p = min(self.p + max(1, len(self._b2) // len(self._b1)), self.capacity)
+                self._b1.move_to_end(key)
+            elif key in self._b2:
+                self.p = max(self.p - max(1, len(self._b1) // len(self._b2)), 0.0)
+                self._b2.move_to_end(key)
+            else:
+                super().touch([key], is_ready)
+
+
 class GivesUpOnProtected(MostRecentFirst):
     """Refuses the whole store when its first candidate is protected, though others fit."""
 
@@ -171,7 +203,23 @@ PLANTED: dict[str, tuple[ManagerFactory, str | None]] = {
     "ARC without fallback": (managers(ArcWithoutFallbackToT1), "arc"),
     "pinning changes LRU recency": (managers(LruRestampedWhenUnpinned), "lru"),
     "user policy refuses a store that fits": (managers(GivesUpOnProtected), None),
+    "touch deduplicated keeping the last (LRU)": (
+        planted(TouchDeduplicatedKeepingTheLast, "lru"),
+        "lru",
+    ),
+    "touch deduplicated keeping the last (ARC)": (
+        planted(TouchDeduplicatedKeepingTheLast, "arc"),
+        "arc",
+    ),
+    "ARC target adapted by whole blocks": (managers(ArcIntegerTarget), "arc"),
 }
+# The bugs the random histories reach too rarely to be a check on their own: the kit's
+# directed histories must catch each of them (and the random ones still may).
+CAUGHT_BY_DIRECTED = (
+    "touch deduplicated keeping the last (LRU)",
+    "touch deduplicated keeping the last (ARC)",
+    "ARC target adapted by whole blocks",
+)
 
 # Stop at the first failure (shrinking it would only cost time here). The budget is a cap:
 # the hardest two (ARC fallback, stale load) were found within 1,000 examples in 5 runs of
@@ -184,3 +232,50 @@ def test_a_planted_bug_is_found(bug: str) -> None:
     make_manager, policy = PLANTED[bug]
     with pytest.raises(AssertionError):
         check_conformance(make_manager, policy=policy, settings=FIND_ONLY)
+
+
+@pytest.mark.parametrize("bug", CAUGHT_BY_DIRECTED)
+def test_the_directed_histories_catch_a_planted_bug(bug: str) -> None:
+    make_manager, policy = PLANTED[bug]
+    with pytest.raises(ConformanceError, match="in the directed history"):
+        check_directed_histories(make_manager, policy=policy)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_manager_passes_the_directed_histories(policy: str) -> None:
+    check_directed_histories(managers(policy), policy=policy)
+
+
+def test_a_touch_with_a_repeat_ends_with_its_first_key_most_recent() -> None:
+    manager = OffloadManager(3, "lru")
+    for key in "abc":
+        plan = manager.prepare_store([key])
+        assert plan is not None
+        manager.complete_store(plan)
+    manager.touch(["a", "b", "a", "c", "b"])
+    assert manager.policy.resident() == ["c", "b", "a"]
+
+
+@pytest.mark.parametrize("start", range(4))
+def test_an_arc_ghost_hit_moves_the_target_by_the_fractional_ratio(start: int) -> None:
+    """|B2| = 3, |B1| = 2 at 3 blocks: a B1 hit adds 3/2 to p (capped at 3), exactly."""
+    manager, model = OffloadManager(3, "arc"), OffloadModel(3, "arc")
+    fill_ghosts(manager)
+    fill_ghosts(model)
+    policy, order = manager.policy, model.state.order
+    assert isinstance(policy, ArcPolicy) and isinstance(order, ArcOrder)
+    policy.p = order.p = float(start)
+    assert policy.lists()[2:] == (order.b1, order.b2) == ([3, 4], [2, 1, 0])
+    manager.touch([3])
+    model.touch([3])
+    assert policy.p == order.p == min(start + 1.5, 3.0)
+
+
+def fill_ghosts(target: OffloadManager | OffloadModel) -> None:
+    """Keys 0-2 through T2 into B2, then 3 and 4 through T1 into B1."""
+    for batch, twice in (([0, 1, 2], True), ([3, 4, 5], False), ([6, 7], False)):
+        plan = target.prepare_store(batch)
+        assert plan is not None
+        target.complete_store(plan)
+        if twice:
+            target.touch(batch)

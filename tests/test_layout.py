@@ -7,6 +7,10 @@ Also home of the cache builders the data-path tests share (``make_cache``,
 from __future__ import annotations
 
 import math
+import sys
+import types
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload.transfer import KVLayout
+from kvoffload.transfer import layout as layout_module
 from kvoffload_spec.errors import InvalidArgumentError
 
 CUDA = torch.cuda.is_available()
@@ -76,9 +81,13 @@ def reference_block(
     ``block``, in order, flattened to bytes (computed by torch indexing, not by offsets).
     """
     dims = [block_dim] * len(tensors) if isinstance(block_dim, int) else block_dim
+    # Copied into a fresh tensor rather than ``.contiguous()``: torch calls a tensor whose
+    # size-1 dims have odd strides contiguous already, and such a tensor cannot be viewed
+    # as bytes.
+    slices = [t.select(d, block) for t, d in zip(tensors, dims, strict=True)]
     parts = [
-        t.select(d, block).contiguous().view(torch.uint8).flatten()
-        for t, d in zip(tensors, dims, strict=True)
+        torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x).view(torch.uint8).flatten()
+        for x in slices
     ]
     return torch.cat(parts).cpu()
 
@@ -169,3 +178,138 @@ def _bad_layouts() -> list[tuple[object, object, str]]:
 def test_bad_layouts_raise_typed_errors(tensors: object, block_dim: object, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         KVLayout(tensors, block_dim)  # type: ignore[arg-type]
+
+
+# -- size-1 dimensions: torch gives them any stride, and they address nothing -----------------
+
+
+def restrided(tensor: torch.Tensor, strides: dict[int, int]) -> torch.Tensor:
+    """The same view, with ``strides[d]`` as the stride of each size-1 dimension ``d``: an
+    index into a size-1 dimension is always 0, so its stride moves no byte."""
+    assert all(tensor.shape[d] == 1 for d in strides)
+    new = [strides.get(d, s) for d, s in enumerate(tensor.stride())]
+    return tensor.as_strided(tensor.shape, new, tensor.storage_offset())
+
+
+@st.composite
+def caches_with_size_one_dims(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[int]]:
+    """``strided_caches`` with size-1 dimensions spliced in anywhere (before, at or after
+    the block dimension, or a single block), each with an arbitrary stride."""
+    tensors, dims = draw(strided_caches())
+    odd, odd_dims = [], []
+    for tensor, dim in zip(tensors, dims, strict=True):
+        for _ in range(draw(st.integers(1, 3))):
+            at = draw(st.integers(0, tensor.dim()))
+            tensor = tensor.unsqueeze(at)
+            dim += at <= dim
+        sizes = [d for d in range(tensor.dim()) if tensor.shape[d] == 1]
+        strides = {d: draw(st.sampled_from((0, 1, 3, 1 << 20))) for d in sizes}
+        odd.append(restrided(tensor, strides))
+        odd_dims.append(dim)
+    return odd, odd_dims
+
+
+@given(caches_with_size_one_dims())
+def test_size_one_dims_with_any_stride_are_accepted_and_addressed_right(
+    cache: tuple[list[torch.Tensor], list[int]],
+) -> None:
+    tensors, dims = cache
+    layout = KVLayout(tensors, dims)
+    for block in range(layout.num_blocks):
+        assert torch.equal(layout_block(layout, block), reference_block(tensors, dims, block))
+
+
+def _size_one_layouts() -> list[tuple[str, list[torch.Tensor], int]]:
+    """Valid caches whose size-1 dimensions have the strides torch (or an engine) may give."""
+    base = _random_tensor((6, 2, 8), torch.float16, torch.Generator().manual_seed(1))
+    single = _random_tensor((1, 2, 8), torch.float16, torch.Generator().manual_seed(2))
+    return [
+        ("a size-1 last dim from transpose", [base.unsqueeze(2).transpose(2, 3)], 0),
+        ("a size-1 inner dim, stride 0", [restrided(base.unsqueeze(1), {1: 0})], 0),
+        ("a size-1 inner dim, huge stride", [restrided(base.unsqueeze(2), {2: 1 << 20})], 0),
+        ("a size-1 outer dim, stride 0", [restrided(base.unsqueeze(0), {0: 0})], 1),
+        ("a size-1 outer dim from movedim", [base.unsqueeze(1).movedim(1, 0)], 1),
+        ("one block, stride 0", [restrided(single, {0: 0})], 0),
+        ("one block, stride 1", [restrided(single, {0: 1})], 0),
+        ("K and V of one head", [restrided(base.view(6, 2, 1, 8), {2: 3})], 0),
+    ]
+
+
+def size_one_problems() -> list[str]:
+    """What goes wrong with the layouts above: a refusal, a segment that is not the block,
+    or a store and load through the engine (both CPU copiers) that is not byte-exact."""
+    from kvoffload.transfer import CpuBlockPool, TransferEngine
+    from kvoffload.transfer.engine import CopierName
+
+    problems = []
+    for name, tensors, block_dim in _size_one_layouts():
+        try:
+            layout = KVLayout(tensors, block_dim)
+        except InvalidArgumentError as error:
+            problems.append(f"{name}: refused ({error})")
+            continue
+        count = layout.num_blocks
+        expected = [reference_block(tensors, block_dim, block) for block in range(count)]
+        if not all(torch.equal(layout_block(layout, b), want) for b, want in enumerate(expected)):
+            problems.append(f"{name}: the segments are not the blocks")
+        copiers: tuple[CopierName, ...] = ("memmove", "tensor")
+        for copier in copiers:
+            pool = CpuBlockPool(layout.bytes_per_block, count)
+            engine = TransferEngine(layout, pool, copier=copier)
+            saved = [t.clone() for t in tensors]
+            engine.wait([engine.submit_store(list(range(count)), list(range(count)))])
+            for tensor in tensors:
+                tensor.zero_()
+            engine.wait([engine.submit_load(list(range(count))[::-1], list(range(count)))])
+            if not all(result.ok for result in engine.poll()) or not all(
+                torch.equal(reference_block(tensors, block_dim, block), expected[count - 1 - block])
+                for block in range(count)
+            ):
+                problems.append(f"{name}: a round trip through the {copier} copier lost bytes")
+            for tensor, before in zip(tensors, saved, strict=True):
+                tensor.copy_(before)
+            engine.close()
+    return problems
+
+
+def test_layouts_with_size_one_dims_round_trip_byte_exact() -> None:
+    assert size_one_problems() == []
+
+
+# Planted: stricter checks that refuse valid layouts because of a size-1 dimension's stride.
+# Each: the edit of layout.py (old text, new text) and the layout it must be caught refusing.
+LAYOUT_SOURCE = Path(layout_module.__file__).read_text()
+STRICT_STRIDE_BUGS = {
+    "inner dims must have packed strides, size 1 too": (
+        ("if any(n > 1 and s != p for n, s, p in", "if any(s != p for n, s, p in"),
+        "a size-1 last dim from transpose: refused",
+    ),
+    "a single block must not overlap itself": (
+        ("if shape[dim] > 1 and stride < nbytes:", "if stride < nbytes:"),
+        "one block, stride 0: refused",
+    ),
+    "outer dims of size 1 must not have stride 0": (
+        ("if any(n > 1 and s == 0 for n, s in", "if any(s == 0 for n, s in"),
+        "a size-1 outer dim, stride 0: refused",
+    ),
+}
+
+
+def strict_segments_of(bug: str) -> Any:
+    """``_segments_of`` of a copy of layout.py with ``bug``'s edit (which must match once)."""
+    (old, new), _ = STRICT_STRIDE_BUGS[bug]
+    assert LAYOUT_SOURCE.count(old) == 1, f"{bug}: {old!r} no longer in layout.py"
+    module = types.ModuleType("kvoffload_layout_strict")
+    sys.modules[module.__name__] = module  # dataclasses look their module up while decorating
+    exec(compile(LAYOUT_SOURCE.replace(old, new), "<strict layout>", "exec"), module.__dict__)
+    return module._segments_of
+
+
+@pytest.mark.parametrize("bug", STRICT_STRIDE_BUGS)
+def test_a_planted_strict_stride_check_is_reported(
+    bug: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(layout_module, "_segments_of", strict_segments_of(bug))
+    problems = size_one_problems()
+    _, caught_as = STRICT_STRIDE_BUGS[bug]
+    assert any(problem.startswith(caught_as) for problem in problems), problems

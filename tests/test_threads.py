@@ -8,11 +8,21 @@ through. Afterwards: no overlap, the manager's invariants hold, replaying the lo
 spec's model gives the same answer to every call, every plan was reported exactly once,
 every load delivered its key's bytes and every readable key's CPU block holds them. The
 same hammering of an offloader without its lock is caught, so the check can fail.
+
+Ordering races need more than fast thread switching: a race whose window is a few bytecodes
+wide (a job handed to its worker thread before it is registered as running; a reset that
+waits for jobs outside the lock, so one can start before the reset) almost never shows. So
+``Jitter`` injects seeded random pauses at the hand-off points (taking and releasing the
+offloader's lock, right after a wait for jobs returns, right after a job is queued for its
+worker, and inside the copies), from the test side only, and the checks look at ordering
+directly: ``reset_cache`` must never run with a job in flight, and a job ``poll`` reported
+must no longer count as running. Many seeds, each a short run; each planted race is caught.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import random
 import sys
 import threading
@@ -25,6 +35,9 @@ import torch
 
 from kvoffload import Finished, Offloader
 from kvoffload.manager import OffloadManager
+from kvoffload.transfer import engine as engine_module
+from kvoffload.transfer.cpu import CpuBackend
+from kvoffload.transfer.jobs import Job
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotReadyError, OffloadError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
@@ -43,6 +56,8 @@ class Recorder:
         self.inner = inner
         self.log: list[tuple[str, tuple[object, ...], object]] = []
         self.overlaps = 0
+        self.resets_with_jobs_in_flight = 0
+        self.offloader: Offloader | None = None  # set once the offloader is built
         self._inside = False
 
     @property
@@ -92,7 +107,74 @@ class Recorder:
         self._call("touch", keys)
 
     def reset_cache(self) -> None:
+        # The offloader waits for every job (but the abandoned ones) before it resets: one
+        # still running here would copy into a slot the manager is about to hand out again.
+        if self.offloader is not None and self.offloader._unabandoned():
+            self.resets_with_jobs_in_flight += 1
         self._call("reset_cache")
+
+
+class Jitter:
+    """Seeded random pauses at the hand-off points between threads (test-side wrappers only:
+    the production code has no hook). Each pause is taken with ``chance``, for 0 to ``most``
+    seconds; a pause of 0 still hands the GIL over.
+    """
+
+    def __init__(self, seed: int, chance: float = 0.3, most: float = 5e-4) -> None:
+        self._random = random.Random(seed)
+        self._chance = chance
+        self._most = most
+
+    def pause(self) -> None:
+        if self._random.random() < self._chance:
+            time.sleep(self._random.choice((0.0, self._most / 10, self._most)))
+
+    def install(self, offloader: Offloader) -> None:
+        """Pause around the offloader's lock, after each wait for jobs returns, after a job
+        is queued for its worker thread, and before each run of a copy."""
+        offloader._lock = JitteryLock(self)  # type: ignore[assignment]
+        engine = offloader.engine
+        wait = engine.wait
+
+        def wait_then_pause(*args: object, **kwargs: object) -> bool:
+            finished = wait(*args, **kwargs)  # type: ignore[arg-type]
+            self.pause()
+            return finished
+
+        engine.wait = wait_then_pause  # type: ignore[method-assign]
+        backend = engine._backend
+        assert isinstance(backend, CpuBackend)
+        backend._queues = {
+            direction: JitteryQueue(jobs, self)  # type: ignore[misc]
+            for direction, jobs in backend._queues.items()
+        }
+
+
+class JitteryLock:
+    def __init__(self, jitter: Jitter) -> None:
+        self._lock = threading.Lock()
+        self._jitter = jitter
+
+    def __enter__(self) -> None:
+        self._jitter.pause()
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+        self._jitter.pause()
+
+
+class JitteryQueue:
+    """A worker's job queue that pauses the submitting thread right after the hand-off."""
+
+    def __init__(self, jobs: queue.SimpleQueue[Job | None], jitter: Jitter) -> None:
+        self._jobs = jobs
+        self._jitter = jitter
+
+    def put(self, job: Job | None) -> None:
+        self._jobs.put(job)
+        if job is not None:
+            self._jitter.pause()
 
 
 @dataclass
@@ -185,23 +267,40 @@ def guarded(state: Hammering, target: Callable[..., None], *args: object) -> Non
 
 
 def poller(state: Hammering, stop: threading.Event) -> None:
+    engine = state.offloader.engine
     while not stop.is_set():
-        state.report(state.offloader.poll())
+        finished = state.offloader.poll()
+        for each in finished:  # reported, so no wait may still be held up by it
+            if not engine.wait([each.result.job_id], timeout=1e-6):
+                state.problems.append(f"job {each.result.job_id} counts as running, reported")
+        state.report(finished)
         time.sleep(0.0002)
 
 
-def resetter(state: Hammering, stop: threading.Event, resets: int) -> None:
+def resetter(state: Hammering, stop: threading.Event, resets: int, every: float) -> None:
     for _ in range(resets):
-        if stop.wait(0.02):
+        if stop.wait(every):
             return
         state.report(state.offloader.reset(timeout=state.hold))
         state.count("reset")
 
 
 def hammer(
-    policy: str, *, operations: int, lock: bool = True, seed: int = 0, hold: float = HOLD
+    policy: str,
+    *,
+    operations: int,
+    lock: bool = True,
+    seed: int = 0,
+    hold: float = HOLD,
+    jitter: Jitter | None = None,
+    resets: int = 3,
+    offloader_class: type[Offloader] = Offloader,
+    backend_class: type[CpuBackend] = CpuBackend,
 ) -> Hammering:
-    """Run the threads to the end; returns what they saw (``problems`` lists what broke)."""
+    """Run the threads to the end; returns what they saw (``problems`` lists what broke).
+    ``jitter`` pauses at the hand-off points; ``offloader_class`` and ``backend_class``
+    replace the real ones (to plant bugs).
+    """
     generator = torch.Generator().manual_seed(seed)
     tensors = [
         torch.randint(
@@ -210,10 +309,22 @@ def hammer(
         for _ in range(2)
     ]
     recorder = Recorder(OffloadManager(6, policy))
-    offloader = Offloader(tensors, block_dim=1, manager=recorder, threaded=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "CpuBackend", backend_class)
+        offloader = offloader_class(tensors, block_dim=1, manager=recorder, threaded=True)
+    recorder.offloader = offloader
+    if jitter is not None:
+        jitter.install(offloader)
     if not lock:
         offloader._lock = contextlib.nullcontext()  # type: ignore[assignment]
-    offloader.engine.fault_hook = lambda job, run: fail_some(job, run)
+    pause = jitter.pause if jitter is not None else None
+
+    def hook(job: int, run: int) -> None:
+        if pause is not None:
+            pause()
+        fail_some(job, run)
+
+    offloader.engine.fault_hook = hook
     block_bytes = offloader.engine.layout.bytes_per_block
     content: dict[Key, torch.Tensor] = {
         key: torch.randint(0, 256, (block_bytes,), dtype=torch.uint8, generator=generator)
@@ -227,7 +338,7 @@ def hammer(
     ]
     helpers = [
         threading.Thread(target=guarded, args=(state, poller, stop)),
-        threading.Thread(target=guarded, args=(state, resetter, stop, 3)),
+        threading.Thread(target=guarded, args=(state, resetter, stop, resets, 0.02 / resets * 3)),
     ]
     with fast_switching():
         for thread in threads + helpers:
@@ -244,6 +355,10 @@ def hammer(
         guarded(state, lambda state: state.report(offloader.poll()))
     else:
         state.problems.append("jobs never finished")
+    if not offloader.engine.wait(timeout=1.0):  # all finished: no time should be needed
+        state.problems.append("the engine counts jobs as running after every job finished")
+    if recorder.resets_with_jobs_in_flight:
+        state.problems.append(f"{recorder.resets_with_jobs_in_flight} resets with jobs in flight")
     return state
 
 
@@ -322,3 +437,98 @@ def test_without_its_lock_the_offloader_is_caught() -> None:
     assert broken, "two threads used the manager at once and nothing noticed"
     with contextlib.suppress(OffloadError):
         state.offloader.close(timeout=HOLD)
+
+
+# -- ordering races: jittered hand-offs, many seeds, and planted races they must catch ---------
+
+SEEDS = 30
+JITTERED_OPERATIONS = 60  # per worker and seed
+
+
+def jittered(seed: int, hold: float = 5.0, **planted: object) -> Hammering:
+    return hammer(
+        "lru" if seed % 2 else "arc",
+        operations=JITTERED_OPERATIONS,
+        seed=seed,
+        hold=hold,
+        jitter=Jitter(seed),
+        resets=8,
+        **planted,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_jittered_hand_offs_keep_the_offloader_consistent(seed: int) -> None:
+    state = jittered(seed)
+    policy = "lru" if seed % 2 else "arc"
+    assert state.problems == [] and state.recorder.overlaps == 0
+    assert replay_on_the_spec(state, policy) == []
+    assert state.reported_twice == [] and set(state.submitted) <= set(state.finished)
+    assert state.counts.get("reset", 0) >= 1, state.counts
+    state.offloader.close()
+
+
+class ResetWaitsOutsideTheLock(Offloader):
+    """reset waits for the jobs in flight before taking the lock: a store can start between
+    the wait and the reset, and its job still runs when the manager forgets the pool."""
+
+    def reset(self, timeout: float | None = None) -> list[Finished]:
+        with self._lock:
+            jobs = self._unabandoned()
+        if not self.engine.wait(jobs, timeout):
+            raise engine_module.TransferTimeoutError("jobs in flight did not finish")
+        with self._lock:
+            finished = self._poll()
+            self.manager.reset_cache()
+            return finished
+
+
+class RegistersAfterTheHandOff(CpuBackend):
+    """A job is registered as running only after it was queued for the worker thread: a
+    worker that finishes it first leaves it counted as running for ever."""
+
+    def submit(self, job: Job) -> None:
+        jobs = self._queues.get(job.direction)
+        if jobs is None:
+            super().submit(job)
+            return
+        jobs.put(job)
+        with self._changed:
+            self._running.add(job.job_id)
+
+
+@dataclass(frozen=True)
+class PlantedRace:
+    """A race planted in the offloader or the CPU backend; ``caught_as`` is the start of
+    the problem the jittered hammering must report within ``SEEDS`` seeds."""
+
+    name: str
+    planted: dict[str, type]
+    caught_as: str
+
+
+PLANTED_RACES = (
+    PlantedRace(
+        "reset waits outside the lock",
+        {"offloader_class": ResetWaitsOutsideTheLock},
+        "resets with jobs in flight",
+    ),
+    PlantedRace(
+        "job registered as running after the hand-off",
+        {"backend_class": RegistersAfterTheHandOff},
+        "counts as running",
+    ),
+)
+
+
+@pytest.mark.parametrize("race", PLANTED_RACES, ids=lambda race: race.name)
+def test_a_planted_race_is_caught(race: PlantedRace) -> None:
+    seen: list[str] = []
+    for seed in range(SEEDS):  # stops at the first seed that catches it
+        state = jittered(seed, hold=1.0, **race.planted)  # a planted race may stall jobs
+        with contextlib.suppress(OffloadError):
+            state.offloader.close(timeout=1.0)
+        seen = [problem for problem in state.problems if race.caught_as in problem]
+        if seen:
+            break
+    assert seen, f"{race.name}: not caught in {SEEDS} seeds"

@@ -45,7 +45,27 @@ _T = TypeVar("_T")
 Plan = StorePlan | LoadPlan
 
 # Keys of several hashable types; none equal to another (so no 1 and True, 2 and 2.0).
-KEY_POOL: tuple[Key, ...] = (0, b"h1", "h2", (3, "t"), 4.5, frozenset({5}))
+KEY_POOL: tuple[Key, ...] = (0, b"h1", "h2", (3, "t"), 4.5, frozenset({5}), 6, "h7", b"h8", (9,))
+# Usually a few keys, so that they collide; sometimes all of them, so that ARC can hold more
+# ghosts than residents: a ratio |B2|/|B1| such as 3/2 needs five ghosts besides the pool.
+POOL_SIZES = (4, 5, 6, len(KEY_POOL))
+# After a round of churn: touch nothing, the keys just stored (into T2), or every absent key
+# (ghost hits, each moving ARC's target).
+CHURN_TOUCHES = ("nothing", "stored", "absent")
+
+Churn = tuple[tuple[int, str], ...]
+DIRECTED: tuple[tuple[int, Churn, tuple[int, ...]], ...] = (
+    # ARC: a B1 ghost hit at |B2|/|B1| = 3/2 moves p by 1.5, then B2 hits move it back.
+    (3, ((1, "stored"), (3, "nothing"), (1, "stored"), (3, "absent")), ()),
+    # ARC at 4 blocks: ghost hits at ratios 3/2 and 2/3, p fractional when the pool refills.
+    (4, ((1, "stored"), (3, "nothing"), (2, "stored"), (3, "absent"), (4, "nothing")), ()),
+    # A touch whose repeat is not adjacent: the first occurrence decides (0 ends most recent).
+    (3, ((3, "nothing"),), (0, 1, 0)),
+    (3, ((3, "stored"),), (2, 0, 1, 0, 2)),
+)
+"""Histories that random generation reaches only rarely, run before the random ones: each
+is (pool size, churn rounds as in ``ConformanceMachine.start``, then a touch of these
+``KEY_POOL`` indices)."""
 # Arguments every keyed method must refuse with InvalidArgumentError, changing nothing.
 BAD_KEYS = st.sampled_from(("h2", b"h1", 7, None, [[0]], [0, {}]))
 KEYED_METHODS = ("prepare_store", "prepare_load", "touch", "lookup")
@@ -157,6 +177,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.manager: ManagerLike
         self.model: OffloadModel
         self.keys: tuple[Key, ...] = ()
+        self.unused: list[Key] = []  # the pool's keys, least recently stored by churn first
         self.stores: list[tuple[StorePlan, StorePlan]] = []  # open: (manager's, spec's)
         self.loads: list[tuple[LoadPlan, LoadPlan]] = []
         self.closed: list[tuple[Plan, Plan]] = []
@@ -166,11 +187,12 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     @initialize(
         num_blocks=st.integers(1, 4),
-        pool=st.integers(4, len(KEY_POOL)),
+        pool=st.sampled_from(POOL_SIZES),
         store_threshold=st.sampled_from((1, 1, 1, 2, 3)),
         max_tracker_size=st.sampled_from((1, 2, 64_000, 64_000)),
         enable_events=st.booleans(),
         warm_up=st.integers(0, len(KEY_POOL)),
+        churn=st.lists(st.tuples(st.integers(1, 4), st.sampled_from(CHURN_TOUCHES)), max_size=4),
     )
     def start(
         self,
@@ -180,9 +202,15 @@ class ConformanceMachine(RuleBasedStateMachine):
         max_tracker_size: int,
         enable_events: bool,
         warm_up: int,
+        churn: list[tuple[int, str]],
     ) -> None:
         """A fresh manager and spec, then ``warm_up`` keys stored one by one (evicting once
-        the pool is full), so that most histories start where eviction happens.
+        the pool is full), so that most histories start where eviction happens. Then each
+        round of ``churn`` stores that many absent keys at once (the least recently used
+        absent keys of the pool first), completes them and then touches nothing, them (ready,
+        so into ARC's T2) or every absent key: rounds like these push T2 and T1 keys out
+        into ARC's ghost lists in any proportion, and hit those ghosts, so that the target
+        ``p`` moves by fractions (|B2|/|B1| = 3/2, say).
         """
         self.keys = KEY_POOL[:pool]
         self.setting = (
@@ -210,6 +238,19 @@ class ConformanceMachine(RuleBasedStateMachine):
                 self._store([key])
             while self.stores:
                 self._complete_store(0, success=True)
+        self.unused = list(self.keys[warm_up:]) + list(self.keys[:warm_up])
+        for count, touch in churn:
+            absent = [key for key in self.unused if self.model.lookup(key) is Lookup.MISS]
+            batch = absent[:count]
+            self.unused = [key for key in self.unused if key not in batch] + batch
+            for _ in range(store_threshold):
+                self._store(batch)
+            while self.stores:
+                self._complete_store(0, success=True)
+            if touch == "stored":
+                self._touch(batch)
+            elif touch == "absent":
+                self._touch(self._keys_in(Lookup.MISS))
 
     # -- operations ------------------------------------------------------------------------
 
@@ -256,10 +297,18 @@ class ConformanceMachine(RuleBasedStateMachine):
         """Touch any keys, or only absent ones (ARC's ghost hits, which move its target), or
         only pending ones (they stay in T1), or only ready ones (they move to T2).
         """
-        keys = self._draw_keys(data, among=None if among is None else self._keys_in(among))
-        self._both(
-            f"touch({keys!r})", lambda: self.manager.touch(keys), lambda: self.model.touch(keys)
-        )
+        self._touch(self._draw_keys(data, among=None if among is None else self._keys_in(among)))
+
+    @precondition(lambda self: len(self._resident()) >= 2)
+    @rule(data=st.data())
+    def touch_repeats(self, data: st.DataObject) -> None:
+        """Touch resident keys with repeats anywhere in the list (as in ``[a, b, a]``): the
+        first occurrence decides, so ``a`` ends up more recent than ``b``.
+        """
+        resident = self._resident()
+        distinct = data.draw(st.lists(st.sampled_from(resident), min_size=2, unique=True))
+        again = data.draw(st.lists(st.sampled_from(distinct), min_size=1, max_size=3))
+        self._touch(data.draw(st.permutations(distinct + again)))
 
     @precondition(lambda self: bool(self.stores or self.loads))
     @rule(data=st.data())
@@ -452,6 +501,14 @@ class ConformanceMachine(RuleBasedStateMachine):
         )
         self.closed.append((mine, spec))
 
+    def _touch(self, keys: list[Key]) -> None:
+        self._both(
+            f"touch({keys!r})", lambda: self.manager.touch(keys), lambda: self.model.touch(keys)
+        )
+
+    def _resident(self) -> list[Key]:
+        return [key for key in self.keys if self.model.lookup(key) is not Lookup.MISS]
+
     def _keys_in(self, state: Lookup) -> list[Key]:
         return [key for key in self.keys if self.model.lookup(key) is state]
 
@@ -552,9 +609,45 @@ def check_conformance(
     ``stateful_step_count`` override it. One failure is reported, the first one shrunk
     (``report_multiple_bugs`` is off).
     """
+    check_directed_histories(make_manager, policy=policy)
     chosen = hypothesis.settings(settings or hypothesis.settings(), report_multiple_bugs=False)
     if max_examples is not None:
         chosen = hypothesis.settings(chosen, max_examples=max_examples)
     if stateful_step_count is not None:
         chosen = hypothesis.settings(chosen, stateful_step_count=stateful_step_count)
     run_state_machine_as_test(conformance_machine(make_manager, policy), settings=chosen)
+
+
+def check_directed_histories(make_manager: ManagerFactory, *, policy: str | None) -> None:
+    """Run only the ``DIRECTED`` histories (``check_conformance`` runs them first): raise
+    ``ConformanceError`` naming the history where the manager and the spec part.
+    """
+    machine = conformance_machine(make_manager, policy)
+    for history in DIRECTED:
+        _run_directed(machine, *history)
+
+
+def _run_directed(
+    machine_class: type[ConformanceMachine], num_blocks: int, churn: Churn, touch: tuple[int, ...]
+) -> None:
+    machine = machine_class()
+    try:
+        machine.start(
+            num_blocks=num_blocks,
+            pool=len(KEY_POOL),
+            store_threshold=1,
+            max_tracker_size=64_000,
+            enable_events=True,
+            warm_up=0,
+            churn=list(churn),
+        )
+        machine.agree()
+        if touch:
+            machine._touch([KEY_POOL[index] for index in touch])
+            machine.agree()
+    except ConformanceError as error:
+        history = f"{num_blocks} blocks, churn {list(churn)}, touch {touch}"
+        error.args = (f"{error} (in the directed history: {history})",)
+        raise
+    finally:
+        machine.teardown()

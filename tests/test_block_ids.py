@@ -1,0 +1,328 @@
+"""Every layer that validates block ids, at its exact boundaries, with planted bugs it must see.
+
+The transfer engine (``submit_store`` / ``submit_load``), the offloader in front of it
+(``store`` / ``load``) and the memmove copier's last-resort bounds check each decide which
+ids may be written. A bound off by one lets a job write past the pool; a distinctness check
+that compares only neighbours lets ``[1, 2, 1]`` write one block twice. So the checker
+below tries, at each layer, on the CPU side and the device side, and for short calls and
+long ones (ids are checked by plain Python up to ``SMALL`` of them, by numpy beyond): the
+last block (accepted, and the bytes arrive), one past it and -1 (refused, nothing queued),
+and repeats that are not adjacent (refused). Each planted bug must make it report a problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import Offloader
+from kvoffload import offloader as offloader_module
+from kvoffload.manager import OffloadManager
+from kvoffload.transfer import CpuBlockPool, KVLayout, TransferEngine
+from kvoffload.transfer import engine as engine_module
+from kvoffload.transfer.copiers import MemmoveCopier
+from kvoffload.transfer.engine import SMALL, CopierName, as_block_ids, require_distinct
+from kvoffload.transfer.runs import IdArray
+from kvoffload_spec.errors import InvalidArgumentError
+from kvoffload_spec.surface import Lookup
+
+DEVICE_BLOCKS = SMALL + 16
+CPU_BLOCKS = SMALL + 8
+LENGTHS = (3, SMALL + 4)  # ids per call: the plain-Python check and the numpy one
+COPIERS: tuple[CopierName, ...] = ("memmove", "tensor")
+
+
+def device_cache() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    shape = (2, DEVICE_BLOCKS, 8)
+    return [torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator) for _ in "kv"]
+
+
+def device_block(tensors: list[torch.Tensor], block: int) -> torch.Tensor:
+    return torch.cat([t[:, block].reshape(-1) for t in tensors])
+
+
+def refused_ids(last: int, length: int) -> list[tuple[str, list[int]]]:
+    """Ids a layer must refuse, for a side whose highest valid id is ``last``: each list is
+    ``length`` long and would be fine but for one id."""
+    valid = list(range(last + 1 - length, last + 1))
+    return [
+        ("one past the last block", [*valid[1:], last + 1]),
+        ("-1", [-1, *valid[1:]]),
+    ]
+
+
+def repeated_ids(last: int, length: int) -> list[tuple[str, list[int]]]:
+    """Distinct ids but for one repeat, never next to its twin."""
+    valid = list(range(last + 1 - length, last + 1))
+    return [
+        ("the first id again at the end", [*valid[:-1], valid[0]]),
+        ("an id again two places later", [*valid[:2], valid[0], *valid[3:]]),
+    ]
+
+
+class Checker:
+    """Collects what went wrong; ``refused`` and ``accepted`` try one call each."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def refused(
+        self, what: str, unchanged: Callable[[], object], call: Callable[..., object], *args: Any
+    ) -> None:
+        before = unchanged()
+        try:
+            call(*args)
+        except InvalidArgumentError:
+            if unchanged() != before:
+                self.problems.append(f"{what}: refused, but only after changing something")
+            return
+        except Exception as error:  # the wrong error is a problem, not a crash of the checker
+            self.problems.append(f"{what}: raised {error!r} instead of InvalidArgumentError")
+            return
+        self.problems.append(f"{what}: accepted")
+
+    def accepted(self, what: str, call: Callable[..., object], *args: Any) -> object:
+        try:
+            return call(*args)
+        except Exception as error:
+            self.problems.append(f"{what}: refused ({error!r})")
+            return None
+
+
+def engine_problems(copier: CopierName) -> list[str]:
+    tensors = device_cache()
+    layout = KVLayout(tensors, 1)
+    engine = TransferEngine(layout, CpuBlockPool(layout.bytes_per_block, CPU_BLOCKS), copier=copier)
+    check = Checker()
+
+    def issued() -> int:  # nothing may be queued by a refused call
+        return engine._issued
+
+    for length in LENGTHS:
+        top_device = list(range(DEVICE_BLOCKS - length, DEVICE_BLOCKS))
+        top_cpu = list(range(CPU_BLOCKS - length, CPU_BLOCKS))
+        at = f"engine ({copier}, {length} ids)"
+        expected = [device_block(tensors, block).clone() for block in top_device]
+        # The last blocks of both sides are valid, and their bytes make the round trip.
+        for job in (
+            check.accepted(
+                f"{at}: a store from and into the last blocks",
+                engine.submit_store,
+                top_device,
+                top_cpu,
+            ),
+            check.accepted(
+                f"{at}: a load from and into the last blocks",
+                engine.submit_load,
+                top_cpu,
+                top_device[::-1],
+            ),
+        ):
+            if isinstance(job, int):
+                engine.wait([job])
+        for result in engine.poll():
+            if not result.ok:
+                check.problems.append(f"{at}: job {result.job_id} failed: {result.error!r}")
+        if not all(
+            torch.equal(device_block(tensors, block), want)
+            for block, want in zip(top_device[::-1], expected, strict=True)
+        ):
+            check.problems.append(f"{at}: the last blocks did not round-trip byte-exact")
+        for why, ids in refused_ids(CPU_BLOCKS - 1, length):
+            check.refused(
+                f"{at}: store into CPU ids with {why}", issued, engine.submit_store, top_device, ids
+            )
+            check.refused(
+                f"{at}: load from CPU ids with {why}", issued, engine.submit_load, ids, top_device
+            )
+        for why, ids in refused_ids(DEVICE_BLOCKS - 1, length):
+            check.refused(
+                f"{at}: store from device ids with {why}", issued, engine.submit_store, ids, top_cpu
+            )
+            check.refused(
+                f"{at}: load into device ids with {why}", issued, engine.submit_load, top_cpu, ids
+            )
+        for why, ids in repeated_ids(CPU_BLOCKS - 1, length):
+            check.refused(
+                f"{at}: store into CPU ids with {why}", issued, engine.submit_store, top_device, ids
+            )
+        for why, ids in repeated_ids(DEVICE_BLOCKS - 1, length):
+            check.refused(
+                f"{at}: load into device ids with {why}", issued, engine.submit_load, top_cpu, ids
+            )
+    engine.close()
+    return check.problems
+
+
+def offloader_problems() -> list[str]:
+    """The offloader's own checks of device ids (CPU ids come from its manager)."""
+    tensors = device_cache()
+    manager = OffloadManager(CPU_BLOCKS)
+    offloader = Offloader(tensors, block_dim=1, manager=manager)
+    check = Checker()
+
+    def unchanged() -> tuple[object, ...]:
+        return offloader.num_in_flight, manager.num_free_blocks, manager.num_evictable_blocks
+
+    for length in LENGTHS:
+        keys = [f"{length}-{index}" for index in range(length)]
+        top = list(range(DEVICE_BLOCKS - length, DEVICE_BLOCKS))
+        at = f"offloader ({length} keys)"
+        for why, ids in refused_ids(DEVICE_BLOCKS - 1, length):
+            check.refused(
+                f"{at}: store from device ids with {why}", unchanged, offloader.store, keys, ids
+            )
+        check.accepted(f"{at}: a store from the last device blocks", offloader.store, keys, top)
+        offloader.wait()
+        offloader.poll()
+        if any(manager.lookup(key) is not Lookup.HIT for key in keys):
+            check.problems.append(f"{at}: the store from the last device blocks did not land")
+            continue
+        for why, ids in [
+            *refused_ids(DEVICE_BLOCKS - 1, length),
+            *repeated_ids(DEVICE_BLOCKS - 1, length),
+        ]:
+            check.refused(
+                f"{at}: load into device ids with {why}", unchanged, offloader.load, keys, ids
+            )
+        expected = [device_block(tensors, block) for block in top]
+        for tensor in tensors:
+            tensor.zero_()
+        check.accepted(f"{at}: a load into the last device blocks", offloader.load, keys, top)
+        offloader.wait()
+        if not all(done.ok for done in offloader.poll()) or not all(
+            torch.equal(device_block(tensors, block), want)
+            for block, want in zip(top, expected, strict=True)
+        ):
+            check.problems.append(f"{at}: the last device blocks did not round-trip byte-exact")
+    offloader.close()
+    return check.problems
+
+
+def block_id_problems() -> list[str]:
+    return [*engine_problems("memmove"), *engine_problems("tensor"), *offloader_problems()]
+
+
+def test_every_layer_takes_its_last_block_and_refuses_one_past_it_and_repeats() -> None:
+    assert block_id_problems() == []
+
+
+# -- planted bugs: each must make the checker above report a problem --------------------------
+
+
+def bound_off_by_one(name: str, ids: object, limit: int) -> IdArray:
+    """Lets ``limit`` itself through: the block just past the pool or the device cache."""
+    return as_block_ids(name, ids, limit + 1)
+
+
+def bound_off_by_one_when_vectorized(name: str, ids: object, limit: int) -> IdArray:
+    """The same slip on the numpy path only (more than ``SMALL`` ids)."""
+    array = as_block_ids(name, ids, limit + 1)
+    if len(array) <= SMALL:
+        return as_block_ids(name, ids, limit)
+    return array
+
+
+def distinct_neighbours_only(name: str, ids: IdArray) -> None:
+    """Compares each id with the next one only: ``[1, 2, 1]`` passes."""
+    if bool((ids[1:] == ids[:-1]).any()):
+        raise InvalidArgumentError(f"{name} are written to and must not repeat")
+
+
+def distinct_neighbours_only_when_short(name: str, ids: IdArray) -> None:
+    """Sorts before comparing neighbours on the numpy path, forgets to on the short one."""
+    if len(ids) <= SMALL:
+        distinct_neighbours_only(name, ids)
+    else:
+        require_distinct(name, ids)
+
+
+def copier_bound_off_by_one(self: MemmoveCopier, runs: Any) -> None:
+    """The memmove copier's last-resort check refuses a run that ends exactly at the end of
+    its buffer: every copy of the pool's last block fails."""
+    if not len(runs):
+        return
+    device_end = runs.device_offset + runs.nbytes
+    if (device_end >= self._segment_end[runs.segment]).any() or int(
+        (runs.cpu_offset + runs.nbytes).max()
+    ) >= self._pool_end:
+        raise RuntimeError("a copy run lies outside its buffer: refusing to copy")
+
+
+@dataclass(frozen=True)
+class PlantedIdBug:
+    """``replacement`` stands in for ``target`` (``module.name``, in every module that uses
+    it); ``caught_as`` is a phrase the checker's report must contain."""
+
+    name: str
+    targets: tuple[tuple[Any, str], ...]
+    replacement: Callable[..., Any]
+    caught_as: str
+
+
+BOTH = (engine_module, offloader_module)
+PLANTED_ID_BUGS = (
+    PlantedIdBug(
+        "bound off by one",
+        tuple((module, "as_block_ids") for module in BOTH),
+        bound_off_by_one,
+        "with one past the last block: accepted",
+    ),
+    PlantedIdBug(
+        "bound off by one on the numpy path",
+        tuple((module, "as_block_ids") for module in BOTH),
+        bound_off_by_one_when_vectorized,
+        f"{SMALL + 4} ids): store into CPU ids with one past the last block: accepted",
+    ),
+    PlantedIdBug(
+        "distinctness of neighbours only",
+        tuple((module, "require_distinct") for module in BOTH),
+        distinct_neighbours_only,
+        "with the first id again at the end: accepted",
+    ),
+    PlantedIdBug(
+        "distinctness of neighbours only on the short path",
+        tuple((module, "require_distinct") for module in BOTH),
+        distinct_neighbours_only_when_short,
+        "3 ids): store into CPU ids with an id again two places later: accepted",
+    ),
+    PlantedIdBug(
+        "memmove bounds backstop off by one",
+        ((MemmoveCopier, "_require_in_bounds"),),
+        copier_bound_off_by_one,
+        "(memmove, 3 ids): job 0 failed",
+    ),
+)
+
+
+@contextlib.contextmanager
+def planted(bug: PlantedIdBug) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name in bug.targets:
+            patch.setattr(owner, name, bug.replacement)
+        yield
+
+
+@pytest.mark.parametrize("bug", PLANTED_ID_BUGS, ids=lambda bug: bug.name)
+def test_a_planted_block_id_bug_is_reported(bug: PlantedIdBug) -> None:
+    with planted(bug):
+        problems = block_id_problems()
+    assert any(bug.caught_as in problem for problem in problems), problems
+
+
+def test_the_planted_checks_are_not_the_real_ones() -> None:
+    """Sanity of the plants: each really lets through what the real check refuses."""
+    near_end = np.array([0, 1, CPU_BLOCKS], dtype=np.int64)
+    with pytest.raises(InvalidArgumentError):
+        as_block_ids("ids", near_end, CPU_BLOCKS)
+    assert list(bound_off_by_one("ids", near_end, CPU_BLOCKS)) == [0, 1, CPU_BLOCKS]
+    with pytest.raises(InvalidArgumentError):
+        require_distinct("ids", np.array([1, 2, 1]))
+    distinct_neighbours_only("ids", np.array([1, 2, 1]))
