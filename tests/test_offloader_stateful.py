@@ -11,11 +11,12 @@ version), so a load that returned stale or partial bytes of an older store is ca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import event, settings
+from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -23,12 +24,15 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from kvoffload import Finished, Offloader
 from kvoffload.manager import OffloadManager
+from kvoffload.policies.arc import ArcPolicy
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotReadyError
+from kvoffload_spec.policies import ArcOrder
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
 from tests.test_layout import CUDA, DTYPES, KINDS, make_cache, reference_block
 
@@ -62,6 +66,7 @@ class InFlight:
 
 class OffloaderMachine(RuleBasedStateMachine):
     device = "cpu"
+    offloader_class: type[Offloader] = Offloader  # a planted bug may replace it
 
     @initialize(
         kind=st.sampled_from(KINDS),
@@ -78,7 +83,7 @@ class OffloaderMachine(RuleBasedStateMachine):
         self.tensors, self.block_dim = make_cache(
             kind, num_blocks=num_blocks, dtype=dtype, layers=2, device=self.device
         )
-        self.offloader = Offloader(
+        self.offloader = self.offloader_class(
             self.tensors,
             num_cpu_blocks=cpu_blocks,
             block_dim=self.block_dim,
@@ -192,6 +197,14 @@ class OffloaderMachine(RuleBasedStateMachine):
         self.offloader.touch(keys)
         self.model.touch(keys)
 
+    @precondition(lambda self: len(self.ready_keys()) >= 2)
+    @rule(data=st.data())
+    def touch_with_a_repeat(self, data: st.DataObject) -> None:
+        """``[a, b, a]``: the first occurrence decides, so ``a`` ends up more recent."""
+        pair = st.lists(st.sampled_from(self.ready_keys()), min_size=2, max_size=2, unique=True)
+        first, second = data.draw(pair)
+        self.touch([first, second, first])
+
     @rule(data=st.data())
     def poll(self, data: st.DataObject) -> None:
         # Waiting first makes the finished set independent of timing on CUDA; on the CPU
@@ -248,6 +261,17 @@ class OffloaderMachine(RuleBasedStateMachine):
         assert manager.num_evictable_blocks == self.model.num_evictable_blocks
         assert [manager.lookup(k) for k in KEYS] == [self.model.lookup(k) for k in KEYS]
         assert self.offloader.num_in_flight == len(self.in_flight)
+        # The eviction order, at once: a wrong touch shows here before it evicts a block.
+        order = self.model.state.order
+        assert manager.policy.resident() == order.resident()
+        if isinstance(manager.policy, ArcPolicy) and isinstance(order, ArcOrder):
+            assert (*manager.policy.lists(), manager.policy.p) == (
+                order.t1,
+                order.t2,
+                order.b1,
+                order.b2,
+                order.p,
+            )
 
     def teardown(self) -> None:
         if hasattr(self, "offloader"):
@@ -258,6 +282,25 @@ class OffloaderMachine(RuleBasedStateMachine):
 # completed loads (and failed ones) common in every run, at ~10 s on 2 cores for "ci".
 OffloaderMachine.TestCase.settings = settings(max_examples=3 * settings().max_examples)
 TestOffloaderOnCpu = OffloaderMachine.TestCase
+
+
+class TouchDeduplicatedKeepingTheLast(Offloader):
+    """Hands the manager each key of a touch once, keeping its last occurrence: after
+    ``touch([a, b, a])``, ``b`` is more recent than ``a``."""
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        with self._lock:
+            self.manager.touch(list(dict.fromkeys(reversed(keys)))[::-1])
+
+
+class PlantedTouchMachine(OffloaderMachine):
+    offloader_class = TouchDeduplicatedKeepingTheLast
+
+
+def test_an_offloader_that_deduplicates_touches_wrongly_is_caught() -> None:
+    find_only = settings(phases=(Phase.generate,), database=None, max_examples=2_000)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(PlantedTouchMachine, settings=find_only)
 
 
 class CudaOffloaderMachine(OffloaderMachine):

@@ -294,6 +294,7 @@ def hammer(
     hold: float = HOLD,
     jitter: Jitter | None = None,
     resets: int = 3,
+    reset_every: float = 0.02,
     offloader_class: type[Offloader] = Offloader,
     backend_class: type[CpuBackend] = CpuBackend,
 ) -> Hammering:
@@ -338,7 +339,7 @@ def hammer(
     ]
     helpers = [
         threading.Thread(target=guarded, args=(state, poller, stop)),
-        threading.Thread(target=guarded, args=(state, resetter, stop, resets, 0.02 / resets * 3)),
+        threading.Thread(target=guarded, args=(state, resetter, stop, resets, reset_every)),
     ]
     with fast_switching():
         for thread in threads + helpers:
@@ -453,6 +454,7 @@ def jittered(seed: int, hold: float = 5.0, **planted: object) -> Hammering:
         hold=hold,
         jitter=Jitter(seed),
         resets=8,
+        reset_every=0.002,  # the first reset comes before the workers are done
         **planted,  # type: ignore[arg-type]
     )
 
