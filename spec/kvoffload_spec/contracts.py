@@ -222,9 +222,11 @@ class _Checks(SpecState):
         assert not invariant_violations(self)
 
     def _cache(self) -> tuple[object, ...]:
-        """What a failed ``prepare_store`` must leave as it was (the tracker may move)."""
-        cache = (self.blocks, self.free_slots, self.num_evictable, self.order, self.open_plans)
-        return (*copy.deepcopy(cache), self.next_plan_id, self.generation)
+        """What a failed ``prepare_store`` must leave as it was (its observations, the
+        tracker and ARC's ghost hits, may move)."""
+        cache = (self.blocks, self.free_slots, self.num_evictable, self.open_plans)
+        order, _ = self.order.fingerprint()
+        return (*copy.deepcopy(cache), order, self.next_plan_id, self.generation)
 
     def _resident_first(self, keys: Sequence[int]) -> list[Key]:
         """The resident keys among ``keys``, in that order, then the others by slot."""

@@ -12,7 +12,7 @@ Lists are in recency order: index 0 is the least recent. Recency comes from inse
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvoffload_spec.surface import Key
@@ -34,6 +34,10 @@ class LruOrder:
     def evicted(self, key: Key) -> None:
         self.order.remove(key)
 
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        """``prepare_store`` is about to place ``keys`` (absent, admitted): LRU learns nothing
+        from a miss."""
+
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         # Reversed, so that the first key ends up most recent: a prefix's tail is evicted
         # before its head, which a later request sharing the prefix needs first.
@@ -49,6 +53,11 @@ class LruOrder:
     def resident(self) -> list[Key]:
         return list(self.order)
 
+    def fingerprint(self) -> tuple[Hashable, Hashable]:
+        """The order's state, split in two: what only a successful call may change, and what
+        a refused ``prepare_store`` may change too (its observations; LRU has none)."""
+        return tuple(self.order), ()
+
     def clear(self) -> None:
         self.order.clear()
 
@@ -58,8 +67,10 @@ class ArcOrder:
     """Adaptive Replacement Cache (Megiddo & Modha, FAST'03), as adapted in vLLM.
 
     T1 holds keys seen once, T2 keys touched again while ready; B1 and B2 are ghosts of keys
-    evicted from T1 and T2. A touch that finds a ghost moves the target size ``p`` of T1:
-    towards recency after a B1 ghost, towards frequency after a B2 ghost.
+    evicted from T1 and T2. A *ghost hit* moves the target size ``p`` of T1: towards recency
+    after a B1 ghost, towards frequency after a B2 ghost. A ghost is hit when a store is
+    about to place its key again (``on_store_miss``, before ``insert`` drops the ghost: in
+    an engine's order that is where a returning key shows up), or by a touch.
     """
 
     capacity: int
@@ -94,6 +105,14 @@ class ArcOrder:
         del self.b1[: max(0, len(self.b1) - self.capacity)]
         del self.b2[: max(0, len(self.b2) - self.capacity)]
 
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        """``prepare_store`` is about to place ``keys`` (distinct, absent, admitted): each
+        ghost among them is a ghost hit. Last key first, as a touch. It is an observation of
+        the request stream, made also when the store is then refused (as in vLLM 0.33).
+        """
+        for key in reversed(keys):
+            self._ghost_hit(key)
+
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         for key in reversed(keys):
             if key in self.t1:
@@ -103,14 +122,19 @@ class ArcOrder:
             elif key in self.t2:
                 self.t2.remove(key)
                 self.t2.append(key)
-            elif key in self.b1:
-                self.p = min(self.p + max(1.0, len(self.b2) / len(self.b1)), self.capacity)
-                self.b1.remove(key)
-                self.b1.append(key)
-            elif key in self.b2:
-                self.p = max(self.p - max(1.0, len(self.b1) / len(self.b2)), 0.0)
-                self.b2.remove(key)
-                self.b2.append(key)
+            else:
+                self._ghost_hit(key)
+
+    def _ghost_hit(self, key: Key) -> None:
+        """A ghost of ``key`` moves ``p`` and becomes its list's most recent ghost."""
+        if key in self.b1:
+            self.p = min(self.p + max(1.0, len(self.b2) / len(self.b1)), self.capacity)
+            self.b1.remove(key)
+            self.b1.append(key)
+        elif key in self.b2:
+            self.p = max(self.p - max(1.0, len(self.b1) / len(self.b2)), 0.0)
+            self.b2.remove(key)
+            self.b2.append(key)
 
     def choose_victims(self, need: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
         t1_candidates = [key for key in self.t1 if can_evict(key)]
@@ -135,6 +159,12 @@ class ArcOrder:
 
     def resident(self) -> list[Key]:
         return self.t1 + self.t2
+
+    def fingerprint(self) -> tuple[Hashable, Hashable]:
+        """As ``LruOrder.fingerprint``: a refused store's ghost hits move ``p`` and the
+        ghosts' order, never which keys are ghosts."""
+        ghosts = (frozenset(self.b1), frozenset(self.b2))
+        return (tuple(self.t1), tuple(self.t2), ghosts), (tuple(self.b1), tuple(self.b2), self.p)
 
     def clear(self) -> None:
         self.t1.clear()

@@ -141,15 +141,28 @@ class SpecState:
         bisect.insort(self.free_slots, slot)
 
     def _record_offers(self, keys: Sequence[Key]) -> None:
-        """The tracker behind ``store_threshold``: offers per key, bounded in size by
-        forgetting the least recently offered key. An observation, not cache state: it is
-        recorded also when the store then fails.
+        """The tracker behind ``store_threshold``: offers per key of the call (``keys``, each
+        once; resident keys too: an offer of a resident key is a reuse), bounded in size.
+
+        A key already tracked counts one more offer and becomes the most recently offered
+        (in call order); then each new key is recorded with one offer, forgetting the least
+        recently offered key *outside this call* when the tracker is full, or not recorded
+        at all when every tracked key is of this call: the keys of one offer never push
+        each other out. An observation, not cache state: recorded also when the store then
+        fails.
         """
+        tracked = [key for key in keys if key in self.offers]
+        for key in tracked:
+            self.offers[key] = self.offers.pop(key) + 1
         for key in keys:
-            count = self.offers.pop(key, 0) + 1
+            if key in tracked:
+                continue
             if len(self.offers) >= self.max_tracker_size:
-                del self.offers[next(iter(self.offers))]
-            self.offers[key] = count
+                outside = [old for old in self.offers if old not in keys]
+                if not outside:
+                    continue
+                del self.offers[outside[0]]
+            self.offers[key] = 1
 
     # -- transitions -----------------------------------------------------------------------
 
@@ -157,7 +170,8 @@ class SpecState:
         """Plan to store the absent ``keys``, evicting what the policy chooses to make room.
 
         Pre: the state satisfies every invariant.
-        Post, on None: no cache state changed (only the offer tracker may have).
+        Post, on None: no cache state changed (only the observations may have: the offer
+        tracker, and ARC's ghost hits).
         Post, on a plan: victims were ready, unpinned and not among ``keys``; they are now
         absent; the candidates are pending in the lowest free slots, in call order; the
         evictable counter dropped by exactly the number of victims.
@@ -167,10 +181,13 @@ class SpecState:
         absent = [key for key in distinct if key not in self.blocks]
         resident = [key for key in distinct if key in self.blocks]
         if self.store_threshold >= 2:
-            self._record_offers(absent)
+            self._record_offers(distinct)
             candidates = [k for k in absent if self.offers.get(k, 0) >= self.store_threshold]
         else:
             candidates = absent
+        # Before anything is evicted or inserted (insert drops a ghost), and also when the
+        # store is then refused: what the request asked for is an observation.
+        self.order.on_store_miss(candidates)
         evictable_before = self.num_evictable
         need = len(candidates) - len(self.free_slots)
         victims: list[Key] = []
