@@ -38,9 +38,10 @@ class EvictionPolicy(ABC):
 
     ``on_store_miss`` hears the keys a ``prepare_store`` is about to place, before any
     victim is chosen. ``insert`` makes the key resident and most recent, not evictable;
-    ``mark_evictable`` and ``mark_unevictable`` alternate, starting with ``mark_evictable``; ``evict`` only ever
-    receives keys that are evictable, ``remove`` only keys that are not. ``touch`` may name
-    keys that are not resident: ignore them (or, like ARC, use them as ghost hits).
+    ``mark_evictable`` and ``mark_unevictable`` alternate, starting with
+    ``mark_evictable``; ``evict`` only ever receives keys that are evictable, ``remove``
+    only keys that are not. ``touch`` may name keys that are not resident: ignore them (or,
+    like ARC, use them as ghost hits).
     """
 
     __slots__ = ("capacity",)
@@ -74,7 +75,7 @@ class EvictionPolicy(ABC):
         store is then refused. A policy with a history (ARC's ghosts) learns from the miss
         here, before ``insert`` forgets it. The default learns nothing.
         """
-        return  # noqa: B027 (optional to override, so not abstract)
+        return
 
     @abstractmethod
     def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
