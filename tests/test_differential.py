@@ -18,6 +18,7 @@ from kvoffload.conformance import ManagerFactory, check_conformance
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
+from kvoffload.policies.duel import DuelPolicy
 from kvoffload.policies.lru import LruPolicy
 from kvoffload_spec.surface import Key, LoadPlan, StorePlan
 from kvoffload_spec.validation import check_flag
@@ -32,7 +33,7 @@ def managers(policy: str | type[EvictionPolicy]) -> ManagerFactory:
 EXAMPLES = max(settings().max_examples, 1_000)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 def test_manager_matches_the_spec(policy: str) -> None:
     check_conformance(managers(policy), policy=policy, max_examples=EXAMPLES)
 
@@ -148,6 +149,22 @@ class LruRestampedWhenUnpinned(LruPolicy):
         super().mark_evictable(key)
 
 
+class DuelTouchOfPendingIsReuse(DuelPolicy):
+    """A block touched while its store is in flight counts as used twice."""
+
+    def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
+        super().touch(keys, lambda key: True)
+
+
+class DuelFollowsLru2OnATie(DuelPolicy):
+    """Victims in LRU-2 order while the shadows' scores are equal (at the start, say)."""
+
+    @property
+    def follows_reuse(self) -> bool:
+        lru, lru2 = self.scores
+        return lru2 >= lru
+
+
 class GivesUpOnProtected(MostRecentFirst):
     """Refuses the whole store when its first candidate is protected, though others fit."""
 
@@ -169,6 +186,8 @@ PLANTED: dict[str, tuple[ManagerFactory, str | None]] = {
     "stale store completion applied": (planted(StaleStoreCompletionApplied, "lru"), "lru"),
     "ARC without fallback": (managers(ArcWithoutFallbackToT1), "arc"),
     "pinning changes LRU recency": (managers(LruRestampedWhenUnpinned), "lru"),
+    "duel: a touch of a pending block is a reuse": (managers(DuelTouchOfPendingIsReuse), "duel"),
+    "duel follows LRU-2 on a tie": (managers(DuelFollowsLru2OnATie), "duel"),
     "user policy refuses a store that fits": (managers(GivesUpOnProtected), None),
 }
 

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--policy",
         default="lru",
-        metavar="lru|arc",
+        metavar="lru|arc|duel",
         help="the CPU pool's eviction policy (default: %(default)s)",
     )
     simulate.add_argument(
@@ -136,9 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--policies",
         type=_name_list,
-        default="lru,arc,belady",
+        default="lru,arc,duel,belady",  # sweep.SWEEP_POLICIES: every built-in, and Belady
         metavar="P,P,...",
-        help="any of lru, arc, belady (default: %(default)s)",
+        help="any of lru, arc, duel, belady (default: %(default)s)",
     )
     sweep.add_argument(
         "--plot",
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--policy",
         default="lru",
-        metavar="lru|arc|module:Class",
+        metavar="lru|arc|duel|module:Class",
         help="the policy to check (default: %(default)s)",
     )
     verify.add_argument(

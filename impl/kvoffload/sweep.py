@@ -44,7 +44,7 @@ from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key, Lookup, StorePlan
 from kvoffload_spec.validation import check_count, check_policy_name
 
-SWEEP_POLICIES = ("lru", "arc", "belady")
+SWEEP_POLICIES = ("lru", "arc", "duel", "belady")  # every built-in policy, and the optimum
 DEFAULT_CAPACITIES = (1000, 4000, 16000, 64000)
 
 

@@ -65,7 +65,7 @@ from kvoffload_spec.errors import (
     PlanAlreadyCompletedError,
 )
 from kvoffload_spec.model import OffloadModel
-from kvoffload_spec.policies import POLICY_NAMES
+from kvoffload_spec.policies import POLICY_NAMES, DuelOrder
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -148,6 +148,8 @@ def clone_model(model: OffloadModel) -> OffloadModel:
     for name, value in vars(state).items():
         if name == "blocks":
             value = {key: _shallow(block) for key, block in value.items()}
+        elif name == "order" and isinstance(value, DuelOrder):
+            value = value.copy()
         elif name == "order":
             value = _shallow(value, copy_lists=True)
         elif name == "abandoned":

@@ -174,10 +174,204 @@ class ArcOrder:
         self.p = 0.0
 
 
-PolicyOrder = LruOrder | ArcOrder
+DUEL_DECAY = 0.999
+"""Each replayed request multiplies a shadow's score by this before adding its hits: the
+score weighs about the last thousand requests."""
 
-POLICY_NAMES = ("lru", "arc")
+DUEL_HISTORY = 4
+"""LRU-2 remembers the last use of up to this many times ``capacity`` evicted keys."""
+
+
+@dataclass
+class Lru2Uses:
+    """LRU-2's bookkeeping: each resident key's last and second most recent use (-1: used
+    once), and the last uses of recently evicted keys, oldest first, so that a key stored
+    again is known as reused."""
+
+    capacity: int
+    last: dict[Key, int] = field(default_factory=dict)
+    penult: dict[Key, int] = field(default_factory=dict)
+    history: dict[Key, int] = field(default_factory=dict)
+
+    def insert(self, key: Key, stamp: int) -> None:
+        self.last[key] = stamp
+        self.penult[key] = self.history.pop(key, -1)
+
+    def use(self, key: Key, stamp: int, *, reused: bool) -> None:
+        if reused:
+            self.penult[key] = self.last[key]
+        self.last[key] = stamp
+
+    def forget(self, key: Key) -> None:
+        self.history.pop(key, None)
+        self.history[key] = self.last.pop(key)
+        del self.penult[key]
+        while len(self.history) > DUEL_HISTORY * self.capacity:
+            del self.history[next(iter(self.history))]
+
+    def drop(self, key: Key) -> None:
+        del self.last[key]
+        del self.penult[key]
+
+    def by_recency(self) -> list[Key]:
+        return sorted(self.last, key=lambda key: self.last[key])
+
+    def by_reuse(self) -> list[Key]:
+        return sorted(self.last, key=lambda key: (self.penult[key], self.last[key]))
+
+    def clear(self) -> None:
+        self.last.clear()
+        self.penult.clear()
+        self.history.clear()
+
+    def copy(self) -> Lru2Uses:
+        return Lru2Uses(self.capacity, dict(self.last), dict(self.penult), dict(self.history))
+
+
+@dataclass
+class ShadowPool:
+    """A keys-only pool of ``capacity`` blocks under LRU (``reuse`` False) or LRU-2, driven
+    by the touched requests as an engine drives a pool: a request's hits are its longest
+    resident prefix, then its absent keys are stored (evicting keys outside the request;
+    none if they cannot fit), then it is touched (the first key ends most recent; a key
+    just stored is not reused). ``score`` is the decayed count of its hits."""
+
+    capacity: int
+    reuse: bool
+    uses: Lru2Uses
+    clock: int = 0
+    score: float = 0.0
+
+    def replay(self, keys: Sequence[Key]) -> None:
+        resident = self.uses.last
+        hits = 0
+        while hits < len(keys) and keys[hits] in resident:
+            hits += 1
+        self.score = self.score * DUEL_DECAY + hits
+        distinct = list(dict.fromkeys(keys))
+        absent = [key for key in distinct if key not in resident]
+        order = self.uses.by_reuse() if self.reuse else self.uses.by_recency()
+        outside = [key for key in order if key not in distinct]
+        need = len(absent) - (self.capacity - len(resident))
+        if need > len(outside):
+            absent = []
+        for key in outside[: max(need, 0)] if absent else []:
+            self.uses.forget(key)
+        for key in absent:
+            self.clock += 1
+            self.uses.insert(key, self.clock)
+        for key in reversed(keys):
+            if key in resident:
+                self.clock += 1
+                self.uses.use(key, self.clock, reused=key not in absent)
+
+    def clear(self) -> None:
+        self.uses.clear()
+        self.score = 0.0
+
+    def copy(self) -> ShadowPool:
+        return ShadowPool(self.capacity, self.reuse, self.uses.copy(), self.clock, self.score)
+
+
+@dataclass
+class DuelOrder:
+    """Victims in LRU or in LRU-2 order, whichever would have served more prefix hits lately.
+
+    LRU wins when the pool holds the workload's reuse distances, LRU-2 (used-once keys
+    first, then by the second most recent use) when it does not: one-shot blocks then flush
+    everything under LRU. Two shadows, keys-only pools of the same capacity under each
+    order, replay every touched request and score the prefix hits they would have served;
+    the real pool evicts in the order of the shadow with the higher score (LRU on a tie).
+    Only ``touch`` feeds the shadows: it names a request's keys in order, which is what a
+    prefix hit needs. Recency (both orders) comes from insertion and ``touch`` alone.
+    """
+
+    capacity: int
+    uses: Lru2Uses
+    shadows: tuple[ShadowPool, ShadowPool]
+    clock: int = 0
+
+    @staticmethod
+    def empty(capacity: int) -> DuelOrder:
+        lru = ShadowPool(capacity, reuse=False, uses=Lru2Uses(capacity))
+        lru2 = ShadowPool(capacity, reuse=True, uses=Lru2Uses(capacity))
+        return DuelOrder(capacity, Lru2Uses(capacity), (lru, lru2))
+
+    @property
+    def follows_reuse(self) -> bool:
+        return self.shadows[1].score > self.shadows[0].score
+
+    def insert(self, key: Key) -> None:
+        self.clock += 1
+        self.uses.insert(key, self.clock)
+
+    def remove(self, key: Key) -> None:
+        self.uses.drop(key)
+
+    def evicted(self, key: Key) -> None:
+        self.uses.forget(key)
+
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        """Nothing to learn here: the shadows hear whole requests, in ``touch``."""
+
+    def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
+        for shadow in self.shadows:
+            shadow.replay(keys)
+        for key in reversed(keys):
+            if key in self.uses.last:
+                self.clock += 1
+                # A pending block was only just inserted: that is not a second use.
+                self.uses.use(key, self.clock, reused=is_ready(key))
+
+    def choose_victims(self, need: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
+        order = self.uses.by_reuse() if self.follows_reuse else self.uses.by_recency()
+        candidates = [key for key in order if can_evict(key)]
+        return candidates[:need] if len(candidates) >= need else None
+
+    def resident(self) -> list[Key]:
+        return self.uses.by_recency()
+
+    def snapshot(self) -> tuple[object, ...]:
+        """The resident keys by last use and by reuse, the history, each shadow's keys in its
+        own order and its history, and the two scores (compared with the manager's)."""
+        lru, lru2 = self.shadows
+        return (
+            self.uses.by_recency(),
+            self.uses.by_reuse(),
+            list(self.uses.history),
+            [lru.uses.by_recency(), lru2.uses.by_reuse()],
+            [list(lru.uses.history), list(lru2.uses.history)],
+            (lru.score, lru2.score),
+        )
+
+    def fingerprint(self) -> tuple[Hashable, Hashable]:
+        """As ``LruOrder.fingerprint``: stamps as ranks, so equal orders compare equal."""
+        parts: list[Hashable] = [self._ranks(self.uses), self.follows_reuse]
+        for shadow in self.shadows:
+            parts += [self._ranks(shadow.uses), shadow.score]
+        return tuple(parts), ()
+
+    @staticmethod
+    def _ranks(uses: Lru2Uses) -> Hashable:
+        return (tuple(uses.by_recency()), tuple(uses.by_reuse()), tuple(uses.history))
+
+    def clear(self) -> None:
+        self.uses.clear()
+        for shadow in self.shadows:
+            shadow.clear()
+
+    def copy(self) -> DuelOrder:
+        """A deep copy (keys are immutable: only the containers are copied)."""
+        lru, lru2 = self.shadows
+        return DuelOrder(self.capacity, self.uses.copy(), (lru.copy(), lru2.copy()), self.clock)
+
+
+PolicyOrder = LruOrder | ArcOrder | DuelOrder
+
+POLICY_NAMES = ("lru", "arc", "duel")
 
 
 def new_order(policy: str, capacity: int) -> PolicyOrder:
+    if policy == "duel":
+        return DuelOrder.empty(capacity)
     return LruOrder() if policy == "lru" else ArcOrder(capacity)

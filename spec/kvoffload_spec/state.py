@@ -29,7 +29,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
+from kvoffload_spec.policies import DUEL_HISTORY, ArcOrder, DuelOrder, LruOrder, PolicyOrder
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -442,12 +442,31 @@ def invariant_violations(state: SpecState) -> list[str]:
         state.order.order
     ):
         problems.append("LRU order repeats a key")
+    elif isinstance(state.order, DuelOrder):
+        problems.extend(_duel_violations(state.order))
     if len(state.offers) > max(state.max_tracker_size, 0):
         problems.append(f"offer tracker holds {len(state.offers)} > {state.max_tracker_size}")
     if any(p.generation > state.generation for p in state.open_plans.values()):
         problems.append("an open plan belongs to a future generation")
     if any(plan_id >= state.next_plan_id for plan_id in state.open_plans):
         problems.append("an open plan has an id that was never issued")
+    return problems
+
+
+def _duel_violations(duel: DuelOrder) -> list[str]:
+    """The dueling order's own invariants: in the real order and in each shadow, every key
+    has a last use after its second most recent one, the history (bounded) holds no
+    resident key, and a shadow holds at most ``capacity`` keys."""
+    problems: list[str] = []
+    for name, uses in [("duel", duel.uses)] + [("shadow", s.uses) for s in duel.shadows]:
+        if uses.last.keys() != uses.penult.keys():
+            problems.append(f"{name}'s uses disagree: {uses!r}")
+        elif any(uses.penult[key] >= last for key, last in uses.last.items()):
+            problems.append(f"{name} has a key used twice at once: {uses!r}")
+        if set(uses.history) & set(uses.last) or len(uses.history) > DUEL_HISTORY * uses.capacity:
+            problems.append(f"{name}'s history holds a resident key or too many: {uses!r}")
+    if any(len(s.uses.last) > s.capacity or s.score < 0 for s in duel.shadows):
+        problems.append(f"a shadow holds more than its capacity or scores below 0: {duel!r}")
     return problems
 
 
