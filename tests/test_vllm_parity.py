@@ -10,6 +10,8 @@ import pytest
 
 from kvoffload.manager import OffloadManager
 from kvoffload.policies import ArcPolicy
+from kvoffload.sweep import sweep
+from kvoffload.traces import bundled_trace
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.policies import ArcOrder
 from kvoffload_spec.surface import Key, ManagerSurface
@@ -109,3 +111,21 @@ def test_offers_of_resident_keys_are_recorded(make: Factory) -> None:
     stored(system, ["a"])  # a is resident; its offer makes it the most recent: x, a
     stored(system, ["y"])  # forgets x, not a
     assert stored(system, ["x"]) == ()  # a first offer again
+
+
+# vLLM 0.33.0's ARC on the bundled conversation trace, single tier, in the engine's order
+VLLM_ARC = {4000: 0.0846, 8000: 0.1655, 16000: 0.2632, 32000: 0.3089}
+
+
+@pytest.mark.parametrize(
+    "capacity",
+    [
+        4000,
+        8000,
+        pytest.param(16000, marks=pytest.mark.slow),
+        pytest.param(32000, marks=pytest.mark.slow),
+    ],
+)
+def test_arc_reproduces_vllm_033_on_the_conversation_trace(capacity: int) -> None:
+    (point,) = sweep(bundled_trace("conversation"), [capacity], ["arc"]).points
+    assert round(point.hit_ratio, 4) == VLLM_ARC[capacity]

@@ -363,6 +363,7 @@ class DuelContracts(_Checks):
         uses = duel.uses
         twice = [key for key in _keys(reused) if key in self.blocks]
         history = [key for key in _keys(gone) if key not in self.blocks]
+        history = history[len(history) - uses.history_limit :]
         uses.history = {key: stamp for stamp, key in enumerate(history, start=1)}
         first = len(history) + 1  # every use of a resident key comes after the history's
         for rank, key in enumerate(self._resident_first(lru)):

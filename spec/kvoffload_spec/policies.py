@@ -185,10 +185,10 @@ DUEL_HISTORY = 4
 @dataclass
 class Lru2Uses:
     """LRU-2's bookkeeping: each resident key's last and second most recent use (-1: used
-    once), and the last uses of recently evicted keys, oldest first, so that a key stored
-    again is known as reused."""
+    once), and the last uses of up to ``history_limit`` recently evicted keys, oldest
+    first, so that a key stored again is known as reused."""
 
-    capacity: int
+    history_limit: int
     last: dict[Key, int] = field(default_factory=dict)
     penult: dict[Key, int] = field(default_factory=dict)
     history: dict[Key, int] = field(default_factory=dict)
@@ -206,7 +206,7 @@ class Lru2Uses:
         self.history.pop(key, None)
         self.history[key] = self.last.pop(key)
         del self.penult[key]
-        while len(self.history) > DUEL_HISTORY * self.capacity:
+        while len(self.history) > self.history_limit:
             del self.history[next(iter(self.history))]
 
     def drop(self, key: Key) -> None:
@@ -225,7 +225,7 @@ class Lru2Uses:
         self.history.clear()
 
     def copy(self) -> Lru2Uses:
-        return Lru2Uses(self.capacity, dict(self.last), dict(self.penult), dict(self.history))
+        return Lru2Uses(self.history_limit, dict(self.last), dict(self.penult), dict(self.history))
 
 
 @dataclass
@@ -293,9 +293,11 @@ class DuelOrder:
 
     @staticmethod
     def empty(capacity: int) -> DuelOrder:
-        lru = ShadowPool(capacity, reuse=False, uses=Lru2Uses(capacity))
-        lru2 = ShadowPool(capacity, reuse=True, uses=Lru2Uses(capacity))
-        return DuelOrder(capacity, Lru2Uses(capacity), (lru, lru2))
+        history = DUEL_HISTORY * capacity
+        # LRU never reads a second use: its shadow keeps no history.
+        lru = ShadowPool(capacity, reuse=False, uses=Lru2Uses(0))
+        lru2 = ShadowPool(capacity, reuse=True, uses=Lru2Uses(history))
+        return DuelOrder(capacity, Lru2Uses(history), (lru, lru2))
 
     @property
     def follows_reuse(self) -> bool:

@@ -463,7 +463,8 @@ def _duel_violations(duel: DuelOrder) -> list[str]:
             problems.append(f"{name}'s uses disagree: {uses!r}")
         elif any(uses.penult[key] >= last for key, last in uses.last.items()):
             problems.append(f"{name} has a key used twice at once: {uses!r}")
-        if set(uses.history) & set(uses.last) or len(uses.history) > DUEL_HISTORY * uses.capacity:
+        bound = DUEL_HISTORY * duel.capacity
+        if set(uses.history) & set(uses.last) or len(uses.history) > min(uses.history_limit, bound):
             problems.append(f"{name}'s history holds a resident key or too many: {uses!r}")
     if any(len(s.uses.last) > s.capacity or s.score < 0 for s in duel.shadows):
         problems.append(f"a shadow holds more than its capacity or scores below 0: {duel!r}")

@@ -36,6 +36,7 @@ from kvoffload_spec.surface import Key
 
 HISTORY = DUEL_HISTORY
 _LAST_BITS = 40  # stamps stay below 2**40: a trillion uses
+_LAST_MASK = (1 << _LAST_BITS) - 1
 
 
 def reuse_code(penult: int, last: int) -> int:
@@ -43,42 +44,51 @@ def reuse_code(penult: int, last: int) -> int:
     return (penult + 1) << _LAST_BITS | last
 
 
+class _LastUse:
+    """The sort key of the LRU order: a key's last use, the low bits of its code. A class
+    rather than a closure, so that ``copy.deepcopy`` gives a clone's sorted list the clone's
+    codes (as the ``partial`` of ``recency.stamp_ordered`` does)."""
+
+    __slots__ = ("codes",)
+
+    def __init__(self, codes: dict[Key, int]) -> None:
+        self.codes = codes
+
+    def __call__(self, key: Key) -> int:
+        return self.codes[key] & _LAST_MASK
+
+
 class _Lru2Stamps:
-    """LRU-2 bookkeeping: each key's last use and its reuse code (see ``reuse_code``), and a
-    bounded history of evicted keys' last uses, so that a key stored again remembers it."""
+    """LRU-2 bookkeeping: each key's code (see ``reuse_code``: its last and second most
+    recent use in one int), and a bounded history of evicted keys' last uses, so that a key
+    stored again is known as reused."""
 
-    __slots__ = ("codes", "history", "last", "limit")
+    __slots__ = ("codes", "history", "limit")
 
-    def __init__(self, capacity: int) -> None:
-        self.last: dict[Key, int] = {}
+    def __init__(self, history_limit: int) -> None:
         self.codes: dict[Key, int] = {}
         self.history: OrderedDict[Key, int] = OrderedDict()
-        self.limit = HISTORY * capacity
+        self.limit = history_limit
 
     def insert(self, key: Key, stamp: int) -> None:
-        self.last[key] = stamp
         self.codes[key] = reuse_code(self.history.pop(key, -1), stamp)
 
     def use(self, key: Key, stamp: int, *, reused: bool) -> None:
-        penult = self.last[key] if reused else (self.codes[key] >> _LAST_BITS) - 1
-        self.last[key] = stamp
+        code = self.codes[key]
+        penult = code & _LAST_MASK if reused else (code >> _LAST_BITS) - 1
         self.codes[key] = reuse_code(penult, stamp)
 
     def forget(self, key: Key) -> None:
         """``key`` left (evicted): its last use goes to the history."""
-        self.history[key] = self.last.pop(key)
-        del self.codes[key]
-        self.history.move_to_end(key)
+        self.history[key] = self.codes.pop(key) & _LAST_MASK
         while len(self.history) > self.limit:
             self.history.popitem(last=False)
 
     def drop(self, key: Key) -> None:
         """``key`` left without a use worth remembering (its store failed)."""
-        del self.last[key]
         del self.codes[key]
 
     def clear(self) -> None:
-        self.last.clear()
         self.codes.clear()
         self.history.clear()
 
@@ -92,14 +102,16 @@ class _Shadow:
     def __init__(self, capacity: int, *, reuse: bool) -> None:
         self.capacity = capacity
         self.reuse = reuse
-        self.stamps = _Lru2Stamps(capacity)
-        key_of = self.stamps.codes if reuse else self.stamps.last
-        self.order = SortedKeyList(key=functools.partial(dict.__getitem__, key_of))
+        # LRU never reads a second use: its shadow keeps no history.
+        self.stamps = _Lru2Stamps(HISTORY * capacity if reuse else 0)
+        codes = self.stamps.codes
+        by = functools.partial(dict.__getitem__, codes) if reuse else _LastUse(codes)
+        self.order = SortedKeyList(key=by)
         self.score = 0.0
         self.clock = 0
 
     def replay(self, keys: Sequence[Key]) -> None:
-        resident = self.stamps.last
+        resident = self.stamps.codes
         hits = sum(1 for _ in itertools.takewhile(resident.__contains__, keys))
         self.score = self.score * DUEL_DECAY + hits
         distinct = dict.fromkeys(keys)
@@ -141,8 +153,8 @@ class DuelPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._stamps = _Lru2Stamps(capacity)
-        self._by_recency = stamp_ordered(self._stamps.last)
+        self._stamps = _Lru2Stamps(HISTORY * capacity)
+        self._by_recency = SortedKeyList(key=_LastUse(self._stamps.codes))
         self._by_reuse = stamp_ordered(self._stamps.codes)
         self._shadows = (_Shadow(capacity, reuse=False), _Shadow(capacity, reuse=True))
         self._clock = 0
@@ -176,7 +188,7 @@ class DuelPolicy(EvictionPolicy):
         for shadow in self._shadows:
             shadow.replay(keys)
         for key in reversed(keys):
-            if key in self._stamps.last:
+            if key in self._stamps.codes:
                 evictable = key in self._by_recency
                 if evictable:
                     self.mark_unevictable(key)
@@ -202,7 +214,7 @@ class DuelPolicy(EvictionPolicy):
             shadow.clear()
 
     def resident(self) -> list[Key]:
-        return sorted(self._stamps.last, key=self._stamps.last.__getitem__)
+        return sorted(self._stamps.codes, key=_LastUse(self._stamps.codes))
 
     def snapshot(self) -> tuple[object, ...]:
         """Everything that decides the future, in the shape of the spec's
@@ -228,9 +240,9 @@ class DuelPolicy(EvictionPolicy):
         by_code = sorted(by_last, key=stamps.codes.__getitem__)
         if self.orders() != (by_last, by_code):
             problems.append(f"duel's evictable orders are {self.orders()}, expected {by_last}")
-        if stamps.codes.keys() != stamps.last.keys() or len(stamps.history) > stamps.limit:
-            problems.append("duel's stamps disagree or its history exceeds its bound")
-        if set(stamps.history) & set(stamps.last):
+        if len(stamps.history) > stamps.limit:
+            problems.append("duel's history exceeds its bound")
+        if set(stamps.history) & set(stamps.codes):
             problems.append("a resident key is in duel's history")
         return problems
 
