@@ -1,4 +1,4 @@
-"""Hit ratio against CPU capacity: LRU, ARC and Belady's optimum on one trace.
+"""Hit ratio against CPU capacity: every built-in policy and Belady's optimum on one trace.
 
 The engine's call order, per request, for a cache tier (the reference figures'):
 
@@ -27,6 +27,7 @@ Ratios are over all block references of the trace, so the tiers' ratios add up.
 ...     print(point.policy, point.capacity, round(point.hit_ratio, 3))
 lru 3 0.444
 arc 3 0.444
+duel 3 0.444
 belady 3 0.556
 """
 
