@@ -155,6 +155,9 @@ class _Checks(SpecState):
         absent = [key for key in dict.fromkeys(call) if key not in self.blocks]
         outside = sum(1 for key in self.blocks if self.evictable(key) and key not in call)
         room = len(self.free_slots) + outside
+        arc = self.order if isinstance(self.order, ArcOrder) else None
+        ghosts = set(arc.b1 + arc.b2) if arc is not None else set()
+        target = arc.p if arc is not None else 0.0
         plan = self.prepare_store(call)
         # Counted after the call, which records its offers before it picks candidates.
         threshold = self.store_threshold
@@ -163,6 +166,8 @@ class _Checks(SpecState):
         assert (plan is None) == (len(candidates) > room)
         assert plan is None or list(plan.keys) == candidates
         assert plan is not None or self._cache() == before
+        # ARC's target moves only on a ghost hit: a candidate that was a ghost.
+        assert arc is None or arc.p == target or any(key in ghosts for key in candidates)
         assert not invariant_violations(self)
 
     def _check_complete_store(self, which: int, success: bool) -> None:
