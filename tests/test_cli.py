@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from kvoffload.cli import main
+from kvoffload.policies import BUILTIN_POLICIES
 from kvoffload.policies.lru import LruPolicy
-from kvoffload.sweep import cpu_stream, new_manager, replay
+from kvoffload.sweep import SWEEP_POLICIES, cpu_stream, new_manager, replay
 from kvoffload.traces import load_trace
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key
@@ -86,13 +87,10 @@ def test_sweep_json_has_the_documented_format(
     assert (code, err) == (0, "")
     results = json.loads(out)["results"]
     assert list(json.loads(out))[-1] == "results"
+    # by default every built-in policy, and Belady
+    assert (*BUILTIN_POLICIES, "belady") == SWEEP_POLICIES
     assert [(r["policy"], r["capacity"]) for r in results] == [
-        ("lru", 4),
-        ("arc", 4),
-        ("belady", 4),
-        ("lru", 16),
-        ("arc", 16),
-        ("belady", 16),
+        (policy, capacity) for capacity in (4, 16) for policy in SWEEP_POLICIES
     ]
     assert all(set(r) == {"policy", "capacity", "hit_ratio"} for r in results)
     assert all(isinstance(r["hit_ratio"], float) and 0 <= r["hit_ratio"] < 1 for r in results)

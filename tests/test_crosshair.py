@@ -29,14 +29,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload_spec.contracts import CHECKS, MAX_BLOCKS, ArcContracts, LruContracts
+from kvoffload_spec.contracts import (
+    CHECKS,
+    MAX_BLOCKS,
+    ArcContracts,
+    DuelContracts,
+    LruContracts,
+)
 from kvoffload_spec.state import invariant_violations
 from kvoffload_spec.surface import LoadPlan, StorePlan
 from tests.progress import progress
 from tests.spec_variants import CONTRACTS_SOURCE, VARIANTS, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
-CLASSES = ("LruContracts", "ArcContracts")
+CLASSES = ("LruContracts", "ArcContracts", "DuelContracts")
 SPEC_TIMEOUT = 4.0  # CPU seconds per target (a probe found 5 enough for 10 targets)
 FIND_TIMEOUT = 40.0  # a canary or a planted bug is found well within this
 POSTCONDITION = "        assert not invariant_violations(self)\n\n    def "
@@ -158,24 +164,30 @@ loads = st.lists(st.lists(st.integers(0, MAX_BLOCKS - 1), max_size=3), max_size=
 small = st.lists(keys, max_size=4)
 
 
+Derived = LruContracts | ArcContracts | DuelContracts
+
+
 @st.composite
-def states(draw: st.DrawFn) -> LruContracts | ArcContracts:
+def states(draw: st.DrawFn) -> Derived:
     common = (draw(slots), draw(keys), draw(loads), draw(small), draw(small))
-    if draw(st.booleans()):
+    kind = draw(st.sampled_from(("lru", "arc", "duel")))
+    if kind == "lru":
         return LruContracts(*common, draw(small), draw(st.integers(1, 3)), draw(small))
+    if kind == "duel":
+        return DuelContracts(*common, draw(small), draw(small), draw(small), draw(st.booleans()))
     capacity = len(common[0])
     p = draw(st.floats(0, capacity))
     return ArcContracts(*common, draw(small), draw(small), draw(small), draw(small), p)
 
 
 @given(states())
-def test_every_derived_state_satisfies_the_invariants(state: LruContracts | ArcContracts) -> None:
+def test_every_derived_state_satisfies_the_invariants(state: Derived) -> None:
     assert invariant_violations(state) == []
 
 
 @given(states(), st.sampled_from(CHECKS), small, st.integers(0, 5), st.booleans())
 def test_every_check_holds_on_random_states(
-    state: LruContracts | ArcContracts,
+    state: Derived,
     check: str,
     arguments: list[int],
     which: int,

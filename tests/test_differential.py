@@ -24,6 +24,7 @@ from kvoffload.conformance import (
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
+from kvoffload.policies.duel import DuelPolicy
 from kvoffload.policies.lru import LruPolicy
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.policies import ArcOrder
@@ -40,7 +41,7 @@ def managers(policy: str | type[EvictionPolicy]) -> ManagerFactory:
 EXAMPLES = max(settings().max_examples, 1_000)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 def test_manager_matches_the_spec(policy: str) -> None:
     check_conformance(managers(policy), policy=policy, max_examples=EXAMPLES)
 
@@ -169,16 +170,29 @@ class TouchDeduplicatedKeepingTheLast(OffloadManager):
 class ArcIntegerTarget(ArcPolicy):
     """ARC adapting its target by whole blocks: the ratio of the ghost lists is floored."""
 
+    def _ghost_hit(self, key: Key) -> None:
+        if key in self._b1:
+            self.p = min(self.p + max(1, len(self._b2) // len(self._b1)), self.capacity)
+            self._b1.move_to_end(key)
+        elif key in self._b2:
+            self.p = max(self.p - max(1, len(self._b1) // len(self._b2)), 0.0)
+            self._b2.move_to_end(key)
+
+
+class DuelTouchOfPendingIsReuse(DuelPolicy):
+    """A block touched while its store is in flight counts as used twice."""
+
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
-        for key in reversed(keys):
-            if key in self._b1:
-                self.p = min(self.p + max(1, len(self._b2) // len(self._b1)), self.capacity)
-                self._b1.move_to_end(key)
-            elif key in self._b2:
-                self.p = max(self.p - max(1, len(self._b1) // len(self._b2)), 0.0)
-                self._b2.move_to_end(key)
-            else:
-                super().touch([key], is_ready)
+        super().touch(keys, lambda key: True)
+
+
+class DuelFollowsLru2OnATie(DuelPolicy):
+    """Victims in LRU-2 order while the shadows' scores are equal (at the start, say)."""
+
+    @property
+    def follows_reuse(self) -> bool:
+        lru, lru2 = self.scores
+        return lru2 >= lru
 
 
 class GivesUpOnProtected(MostRecentFirst):
@@ -202,6 +216,8 @@ PLANTED: dict[str, tuple[ManagerFactory, str | None]] = {
     "stale store completion applied": (planted(StaleStoreCompletionApplied, "lru"), "lru"),
     "ARC without fallback": (managers(ArcWithoutFallbackToT1), "arc"),
     "pinning changes LRU recency": (managers(LruRestampedWhenUnpinned), "lru"),
+    "duel: a touch of a pending block is a reuse": (managers(DuelTouchOfPendingIsReuse), "duel"),
+    "duel follows LRU-2 on a tie": (managers(DuelFollowsLru2OnATie), "duel"),
     "user policy refuses a store that fits": (managers(GivesUpOnProtected), None),
     "touch deduplicated keeping the last (LRU)": (
         planted(TouchDeduplicatedKeepingTheLast, "lru"),

@@ -50,7 +50,7 @@ GATE_BOUNDS = (
 )
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 @pytest.mark.parametrize("bounds", GATE_BOUNDS, ids=str)
 def test_every_reachable_state_passes_every_check(bounds: Bounds, policy: str) -> None:
     report = explore(

@@ -327,7 +327,7 @@ KEYS: list[Key] = [
 ]
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 def test_any_hashable_key_works(policy: str) -> None:
     manager = OffloadManager(len(KEYS) - 2, policy)
     stored(manager, KEYS[:-2])
@@ -360,7 +360,7 @@ def test_touch_makes_the_first_key_most_recent() -> None:
     assert manager.policy.resident() == ["c", "b", "a"]
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 def test_pinning_does_not_change_recency(policy: str) -> None:
     manager = OffloadManager(3, policy)
     stored(manager, ["a", "b", "c"])
@@ -372,7 +372,7 @@ def test_pinning_does_not_change_recency(policy: str) -> None:
 # -- copies and invariants -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 def test_a_deep_copy_is_independent_and_accepts_earlier_plans(policy: str) -> None:
     manager = OffloadManager(2, policy)
     stored(manager, ["a"])
@@ -412,7 +412,7 @@ def forget_a_pending_plan(manager: OffloadManager) -> None:
     "corrupt",
     [corrupt_counter, corrupt_refs, corrupt_free_slots, corrupt_policy, forget_a_pending_plan],
 )
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 def test_check_invariants_notices_corruption(
     corrupt: Callable[[OffloadManager], None], policy: str
 ) -> None:

@@ -27,7 +27,7 @@ def run(
     )
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_every_planted_bug_is_found_with_a_shortest_counterexample(
     variant: Variant, policy: str

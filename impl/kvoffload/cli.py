@@ -439,7 +439,15 @@ def _table(
         table.add_column(column, justify="right" if numeric and index else "left")
     for row in rows:
         table.add_row(*row)
-    _console().print(table)
+    console = _console()
+    if not console.is_terminal:
+        # In a pipe or a log nothing limits the width: print every column whole (a sweep
+        # of every built-in policy is wider than the default 80 columns).
+        from rich.measure import Measurement
+
+        natural = Measurement.get(console, console.options.update_width(1_000), table).maximum
+        console.width = max(console.width, natural)
+    console.print(table)
 
 
 def _show_simulation(trace: Trace, report: SimulationReport) -> None:

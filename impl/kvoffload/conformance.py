@@ -34,10 +34,11 @@ from hypothesis.stateful import (
 
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.arc import ArcPolicy
+from kvoffload.policies.duel import DuelPolicy
 from kvoffload.policies.lru import LruPolicy
 from kvoffload_spec.errors import OffloadError
 from kvoffload_spec.model import OffloadModel
-from kvoffload_spec.policies import POLICY_NAMES, ArcOrder, LruOrder
+from kvoffload_spec.policies import POLICY_NAMES, ArcOrder, DuelOrder, LruOrder
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, ManagerSurface, StorePlan
 from kvoffload_spec.validation import check_policy_name
 
@@ -403,6 +404,10 @@ class ConformanceMachine(RuleBasedStateMachine):
                 "ARC lists (T1, T2, B1, B2) and p",
                 (*policy.lists(), policy.p),
                 (order.t1, order.t2, order.b1, order.b2, order.p),
+            )
+        elif isinstance(policy, DuelPolicy) and isinstance(order, DuelOrder):
+            self._same(
+                "duel's orders, histories, shadows and scores", policy.snapshot(), order.snapshot()
             )
 
     # -- the record, and failures that read as histories -----------------------------------

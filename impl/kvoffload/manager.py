@@ -225,6 +225,8 @@ class OffloadManager:
         """
         distinct = dict.fromkeys(check_keys(keys))
         candidates = self._candidates(distinct)
+        if candidates:
+            self._policy.on_store_miss(candidates)  # an observation, even if refused
         victims = self._make_room(len(candidates), distinct)
         if victims is None:
             self._tally.rejected_stores += 1
@@ -357,17 +359,32 @@ class OffloadManager:
         absent = [key for key in distinct if key not in self._slot_of]
         if self._store_threshold < 2:
             return absent
-        self._record_offers(absent)
+        self._record_offers(distinct)
         return [key for key in absent if self._offers.get(key, 0) >= self._store_threshold]
 
-    def _record_offers(self, keys: list[Key]) -> None:
-        # An observation, not cache state: recorded even when the store then fails.
+    def _record_offers(self, keys: dict[Key, None]) -> None:
+        # An observation, not cache state: recorded even when the store then fails. Every
+        # key of the call counts (a resident one is a reuse), and the keys of one call never
+        # push each other out: a new key forgets only a key outside the call.
         offers = self._offers
+        new = []
         for key in keys:
-            count = offers.pop(key, 0) + 1
+            count = offers.get(key)
+            if count is None:
+                new.append(key)
+            else:
+                offers[key] = count + 1
+                offers.move_to_end(key)
+        # The call's tracked keys are now the most recent, so the least recent key is
+        # outside the call while any is.
+        outside = len(offers) - (len(keys) - len(new))
+        for key in new:
             if len(offers) >= self._max_tracker_size:
+                if not outside:
+                    continue
                 offers.popitem(last=False)
-            offers[key] = count
+                outside -= 1
+            offers[key] = 1
 
     def _make_room(self, count: int, protected: Container[Key]) -> list[Key] | None:
         """The victims that free room for ``count`` new blocks, or None if there are none."""

@@ -1,4 +1,4 @@
-"""Hit ratio against CPU capacity: LRU, ARC and Belady's optimum on one trace.
+"""Hit ratio against CPU capacity: every built-in policy and Belady's optimum on one trace.
 
 The engine's call order, per request, for a cache tier (the reference figures'):
 
@@ -27,6 +27,7 @@ Ratios are over all block references of the trace, so the tiers' ratios add up.
 ...     print(point.policy, point.capacity, round(point.hit_ratio, 3))
 lru 3 0.444
 arc 3 0.444
+duel 3 0.444
 belady 3 0.556
 
 A policy is named as everywhere else: a built-in name, ``"module:Class"`` or an
@@ -56,7 +57,7 @@ from kvoffload_spec.surface import Key, Lookup, StorePlan
 from kvoffload_spec.validation import check_count
 
 BELADY = "belady"  # the offline optimum: not a policy a manager runs, computed on the side
-SWEEP_POLICIES = ("lru", "arc", BELADY)  # the default of sweep() and of `kvoffload sweep`
+SWEEP_POLICIES = (*BUILTIN_POLICIES, BELADY)  # every built-in policy, and the optimum
 DEFAULT_CAPACITIES = (1000, 4000, 16000, 64000)
 
 PolicyName = str | type[EvictionPolicy]

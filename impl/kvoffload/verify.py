@@ -104,7 +104,7 @@ def verify(
     budget_s: float = 60.0,
     on_stage: StageHook | None = None,
 ) -> VerifyReport:
-    """Check ``policy`` ("lru", "arc", "module:Class" or an ``EvictionPolicy`` subclass)
+    """Check ``policy`` ("lru", "arc", "duel", "module:Class" or an ``EvictionPolicy`` subclass)
     within ``budget_s`` seconds.
 
     An unknown or unusable policy raises ``UnknownPolicyError`` before anything runs.

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
+from kvoffload_spec.policies import ArcOrder, DuelOrder, LruOrder, PolicyOrder
 from kvoffload_spec.state import Block, SpecState, invariant_violations
 from kvoffload_spec.surface import Key, LoadPlan, StorePlan
 
@@ -155,6 +155,9 @@ class _Checks(SpecState):
         absent = [key for key in dict.fromkeys(call) if key not in self.blocks]
         outside = sum(1 for key in self.blocks if self.evictable(key) and key not in call)
         room = len(self.free_slots) + outside
+        arc = self.order if isinstance(self.order, ArcOrder) else None
+        ghosts = set(arc.b1 + arc.b2) if arc is not None else set()
+        target = arc.p if arc is not None else 0.0
         plan = self.prepare_store(call)
         # Counted after the call, which records its offers before it picks candidates.
         threshold = self.store_threshold
@@ -163,6 +166,8 @@ class _Checks(SpecState):
         assert (plan is None) == (len(candidates) > room)
         assert plan is None or list(plan.keys) == candidates
         assert plan is not None or self._cache() == before
+        # ARC's target moves only on a ghost hit: a candidate that was a ghost.
+        assert arc is None or arc.p == target or any(key in ghosts for key in candidates)
         assert not invariant_violations(self)
 
     def _check_complete_store(self, which: int, success: bool) -> None:
@@ -222,9 +227,11 @@ class _Checks(SpecState):
         assert not invariant_violations(self)
 
     def _cache(self) -> tuple[object, ...]:
-        """What a failed ``prepare_store`` must leave as it was (the tracker may move)."""
-        cache = (self.blocks, self.free_slots, self.num_evictable, self.order, self.open_plans)
-        return (*copy.deepcopy(cache), self.next_plan_id, self.generation)
+        """What a failed ``prepare_store`` must leave as it was (its observations, the
+        tracker and ARC's ghost hits, may move)."""
+        cache = (self.blocks, self.free_slots, self.num_evictable, self.open_plans)
+        order, _ = self.order.fingerprint()
+        return (*copy.deepcopy(cache), order, self.next_plan_id, self.generation)
 
     def _resident_first(self, keys: Sequence[int]) -> list[Key]:
         """The resident keys among ``keys``, in that order, then the others by slot."""
@@ -321,3 +328,54 @@ class ArcContracts(_Checks):
 
     def __repr__(self) -> str:
         return f"ArcContracts{self._args!r}"
+
+
+class DuelContracts(_Checks):
+    """A spec state under the dueling policy.
+
+    ``lru`` orders the resident keys by last use, least recent first (the others follow by
+    slot); the keys of ``reused`` (resident ones) were used twice, their second most recent
+    uses in that order, all before any last use. ``gone`` are keys in the history (not
+    resident), oldest first. ``reuse_leads`` gives the LRU-2 shadow the higher score. The
+    shadows hold no keys: they only decide which order the victims come in.
+    """
+
+    # CrossHair looks a target method up in the class's own namespace only, and would check
+    # a method twice if the base class had one of the same name.
+    check_prepare_store = _Checks._check_prepare_store
+    check_complete_store = _Checks._check_complete_store
+    check_prepare_load = _Checks._check_prepare_load
+    check_complete_load = _Checks._check_complete_load
+    check_abandon = _Checks._check_abandon
+    check_touch = _Checks._check_touch
+    check_reset_cache = _Checks._check_reset_cache
+
+    def __init__(
+        self,
+        slots: list[int],
+        shift: int,
+        loads: list[list[int]],
+        stale: list[int],
+        abandon: list[int],
+        lru: list[int],
+        reused: list[int],
+        gone: list[int],
+        reuse_leads: bool,
+    ) -> None:
+        self._args = (slots, shift, loads, stale, abandon, lru, reused, gone, reuse_leads)
+        duel = DuelOrder.empty(len(slots))
+        super().__init__(slots, shift, loads, stale, abandon, duel)
+        uses = duel.uses
+        twice = [key for key in _keys(reused) if key in self.blocks]
+        history = [key for key in _keys(gone) if key not in self.blocks]
+        history = history[len(history) - uses.history_limit :]
+        uses.history = {key: stamp for stamp, key in enumerate(history, start=1)}
+        first = len(history) + 1  # every use of a resident key comes after the history's
+        for rank, key in enumerate(self._resident_first(lru)):
+            uses.last[key] = first + len(twice) + rank
+            uses.penult[key] = first + twice.index(key) if key in twice else -1
+        duel.clock = first + len(twice) + len(self.blocks)
+        duel.shadows[1].score = 1.0 if reuse_leads else 0.0
+
+    def __repr__(self) -> str:
+        return f"DuelContracts{self._args!r}"

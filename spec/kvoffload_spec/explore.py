@@ -65,7 +65,7 @@ from kvoffload_spec.errors import (
     PlanAlreadyCompletedError,
 )
 from kvoffload_spec.model import OffloadModel
-from kvoffload_spec.policies import POLICY_NAMES, ArcOrder
+from kvoffload_spec.policies import POLICY_NAMES, DuelOrder
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -94,7 +94,7 @@ class Fingerprint(NamedTuple):
     """A system's state, canonical: equal fingerprints, equal futures.
 
     ``cache`` is what no failed call may change; ``tracker`` what a refused
-    ``prepare_store`` may (the offers it records).
+    ``prepare_store`` may: its observations (the offers it records, ARC's ghost hits).
     """
 
     cache: Hashable
@@ -118,22 +118,12 @@ def model_fingerprint(model: OffloadModel, plan_names: Mapping[int, int]) -> Fin
         (repr(key), block.slot, block.refs, _renamed(block.store_plan, plan_names))
         for key, block in state.blocks.items()
     )
-    order = state.order
-    if isinstance(order, ArcOrder):
-        lists: tuple[object, ...] = (
-            tuple(order.t1),
-            tuple(order.t2),
-            tuple(order.b1),
-            tuple(order.b2),
-            order.p,
-        )
-    else:
-        lists = (tuple(order.order),)
+    order, observed = state.order.fingerprint()
     abandoned = sorted(
         (_renamed(plan_id, plan_names), tuple(slots)) for plan_id, slots in state.abandoned.items()
     )
-    cache = (tuple(blocks), tuple(state.free_slots), state.num_evictable, lists, tuple(abandoned))
-    return Fingerprint(cache, tuple(state.offers.items()))
+    cache = (tuple(blocks), tuple(state.free_slots), state.num_evictable, order, tuple(abandoned))
+    return Fingerprint(cache, (tuple(state.offers.items()), observed))
 
 
 def _model_fingerprint_only(system: object, plan_names: Mapping[int, int]) -> Fingerprint:
@@ -158,6 +148,8 @@ def clone_model(model: OffloadModel) -> OffloadModel:
     for name, value in vars(state).items():
         if name == "blocks":
             value = {key: _shallow(block) for key, block in value.items()}
+        elif name == "order" and isinstance(value, DuelOrder):
+            value = value.copy()
         elif name == "order":
             value = _shallow(value, copy_lists=True)
         elif name == "abandoned":

@@ -12,7 +12,7 @@ Lists are in recency order: index 0 is the least recent. Recency comes from inse
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvoffload_spec.surface import Key
@@ -34,6 +34,10 @@ class LruOrder:
     def evicted(self, key: Key) -> None:
         self.order.remove(key)
 
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        """``prepare_store`` is about to place ``keys`` (absent, admitted): LRU learns nothing
+        from a miss."""
+
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         # Reversed, so that the first key ends up most recent: a prefix's tail is evicted
         # before its head, which a later request sharing the prefix needs first.
@@ -49,6 +53,11 @@ class LruOrder:
     def resident(self) -> list[Key]:
         return list(self.order)
 
+    def fingerprint(self) -> tuple[Hashable, Hashable]:
+        """The order's state, split in two: what only a successful call may change, and what
+        a refused ``prepare_store`` may change too (its observations; LRU has none)."""
+        return tuple(self.order), ()
+
     def clear(self) -> None:
         self.order.clear()
 
@@ -58,8 +67,10 @@ class ArcOrder:
     """Adaptive Replacement Cache (Megiddo & Modha, FAST'03), as adapted in vLLM.
 
     T1 holds keys seen once, T2 keys touched again while ready; B1 and B2 are ghosts of keys
-    evicted from T1 and T2. A touch that finds a ghost moves the target size ``p`` of T1:
-    towards recency after a B1 ghost, towards frequency after a B2 ghost.
+    evicted from T1 and T2. A *ghost hit* moves the target size ``p`` of T1: towards recency
+    after a B1 ghost, towards frequency after a B2 ghost. A ghost is hit when a store is
+    about to place its key again (``on_store_miss``, before ``insert`` drops the ghost: in
+    an engine's order that is where a returning key shows up), or by a touch.
     """
 
     capacity: int
@@ -94,6 +105,14 @@ class ArcOrder:
         del self.b1[: max(0, len(self.b1) - self.capacity)]
         del self.b2[: max(0, len(self.b2) - self.capacity)]
 
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        """``prepare_store`` is about to place ``keys`` (distinct, absent, admitted): each
+        ghost among them is a ghost hit. Last key first, as a touch. It is an observation of
+        the request stream, made also when the store is then refused (as in vLLM 0.33).
+        """
+        for key in reversed(keys):
+            self._ghost_hit(key)
+
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         for key in reversed(keys):
             if key in self.t1:
@@ -103,14 +122,19 @@ class ArcOrder:
             elif key in self.t2:
                 self.t2.remove(key)
                 self.t2.append(key)
-            elif key in self.b1:
-                self.p = min(self.p + max(1.0, len(self.b2) / len(self.b1)), self.capacity)
-                self.b1.remove(key)
-                self.b1.append(key)
-            elif key in self.b2:
-                self.p = max(self.p - max(1.0, len(self.b1) / len(self.b2)), 0.0)
-                self.b2.remove(key)
-                self.b2.append(key)
+            else:
+                self._ghost_hit(key)
+
+    def _ghost_hit(self, key: Key) -> None:
+        """A ghost of ``key`` moves ``p`` and becomes its list's most recent ghost."""
+        if key in self.b1:
+            self.p = min(self.p + max(1.0, len(self.b2) / len(self.b1)), self.capacity)
+            self.b1.remove(key)
+            self.b1.append(key)
+        elif key in self.b2:
+            self.p = max(self.p - max(1.0, len(self.b1) / len(self.b2)), 0.0)
+            self.b2.remove(key)
+            self.b2.append(key)
 
     def choose_victims(self, need: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
         t1_candidates = [key for key in self.t1 if can_evict(key)]
@@ -136,6 +160,12 @@ class ArcOrder:
     def resident(self) -> list[Key]:
         return self.t1 + self.t2
 
+    def fingerprint(self) -> tuple[Hashable, Hashable]:
+        """As ``LruOrder.fingerprint``: a refused store's ghost hits move ``p`` and the
+        ghosts' order, never which keys are ghosts."""
+        ghosts = (frozenset(self.b1), frozenset(self.b2))
+        return (tuple(self.t1), tuple(self.t2), ghosts), (tuple(self.b1), tuple(self.b2), self.p)
+
     def clear(self) -> None:
         self.t1.clear()
         self.t2.clear()
@@ -144,10 +174,206 @@ class ArcOrder:
         self.p = 0.0
 
 
-PolicyOrder = LruOrder | ArcOrder
+DUEL_DECAY = 0.999
+"""Each replayed request multiplies a shadow's score by this before adding its hits: the
+score weighs about the last thousand requests."""
 
-POLICY_NAMES = ("lru", "arc")
+DUEL_HISTORY = 4
+"""LRU-2 remembers the last use of up to this many times ``capacity`` evicted keys."""
+
+
+@dataclass
+class Lru2Uses:
+    """LRU-2's bookkeeping: each resident key's last and second most recent use (-1: used
+    once), and the last uses of up to ``history_limit`` recently evicted keys, oldest
+    first, so that a key stored again is known as reused."""
+
+    history_limit: int
+    last: dict[Key, int] = field(default_factory=dict)
+    penult: dict[Key, int] = field(default_factory=dict)
+    history: dict[Key, int] = field(default_factory=dict)
+
+    def insert(self, key: Key, stamp: int) -> None:
+        self.last[key] = stamp
+        self.penult[key] = self.history.pop(key, -1)
+
+    def use(self, key: Key, stamp: int, *, reused: bool) -> None:
+        if reused:
+            self.penult[key] = self.last[key]
+        self.last[key] = stamp
+
+    def forget(self, key: Key) -> None:
+        self.history.pop(key, None)
+        self.history[key] = self.last.pop(key)
+        del self.penult[key]
+        while len(self.history) > self.history_limit:
+            del self.history[next(iter(self.history))]
+
+    def drop(self, key: Key) -> None:
+        del self.last[key]
+        del self.penult[key]
+
+    def by_recency(self) -> list[Key]:
+        return sorted(self.last, key=lambda key: self.last[key])
+
+    def by_reuse(self) -> list[Key]:
+        return sorted(self.last, key=lambda key: (self.penult[key], self.last[key]))
+
+    def clear(self) -> None:
+        self.last.clear()
+        self.penult.clear()
+        self.history.clear()
+
+    def copy(self) -> Lru2Uses:
+        return Lru2Uses(self.history_limit, dict(self.last), dict(self.penult), dict(self.history))
+
+
+@dataclass
+class ShadowPool:
+    """A keys-only pool of ``capacity`` blocks under LRU (``reuse`` False) or LRU-2, driven
+    by the touched requests as an engine drives a pool: a request's hits are its longest
+    resident prefix, then its absent keys are stored (evicting keys outside the request;
+    none if they cannot fit), then it is touched (the first key ends most recent; a key
+    just stored is not reused). ``score`` is the decayed count of its hits."""
+
+    capacity: int
+    reuse: bool
+    uses: Lru2Uses
+    clock: int = 0
+    score: float = 0.0
+
+    def replay(self, keys: Sequence[Key]) -> None:
+        resident = self.uses.last
+        hits = 0
+        while hits < len(keys) and keys[hits] in resident:
+            hits += 1
+        self.score = self.score * DUEL_DECAY + hits
+        distinct = list(dict.fromkeys(keys))
+        absent = [key for key in distinct if key not in resident]
+        order = self.uses.by_reuse() if self.reuse else self.uses.by_recency()
+        outside = [key for key in order if key not in distinct]
+        need = len(absent) - (self.capacity - len(resident))
+        if need > len(outside):
+            absent = []
+        for key in outside[: max(need, 0)] if absent else []:
+            self.uses.forget(key)
+        for key in absent:
+            self.clock += 1
+            self.uses.insert(key, self.clock)
+        for key in reversed(keys):
+            if key in resident:
+                self.clock += 1
+                self.uses.use(key, self.clock, reused=key not in absent)
+
+    def clear(self) -> None:
+        self.uses.clear()
+        self.score = 0.0
+
+    def copy(self) -> ShadowPool:
+        return ShadowPool(self.capacity, self.reuse, self.uses.copy(), self.clock, self.score)
+
+
+@dataclass
+class DuelOrder:
+    """Victims in LRU or in LRU-2 order, whichever would have served more prefix hits lately.
+
+    LRU wins when the pool holds the workload's reuse distances, LRU-2 (used-once keys
+    first, then by the second most recent use) when it does not: one-shot blocks then flush
+    everything under LRU. Two shadows, keys-only pools of the same capacity under each
+    order, replay every touched request and score the prefix hits they would have served;
+    the real pool evicts in the order of the shadow with the higher score (LRU on a tie).
+    Only ``touch`` feeds the shadows: it names a request's keys in order, which is what a
+    prefix hit needs. Recency (both orders) comes from insertion and ``touch`` alone.
+    """
+
+    capacity: int
+    uses: Lru2Uses
+    shadows: tuple[ShadowPool, ShadowPool]
+    clock: int = 0
+
+    @staticmethod
+    def empty(capacity: int) -> DuelOrder:
+        history = DUEL_HISTORY * capacity
+        # LRU never reads a second use: its shadow keeps no history.
+        lru = ShadowPool(capacity, reuse=False, uses=Lru2Uses(0))
+        lru2 = ShadowPool(capacity, reuse=True, uses=Lru2Uses(history))
+        return DuelOrder(capacity, Lru2Uses(history), (lru, lru2))
+
+    @property
+    def follows_reuse(self) -> bool:
+        return self.shadows[1].score > self.shadows[0].score
+
+    def insert(self, key: Key) -> None:
+        self.clock += 1
+        self.uses.insert(key, self.clock)
+
+    def remove(self, key: Key) -> None:
+        self.uses.drop(key)
+
+    def evicted(self, key: Key) -> None:
+        self.uses.forget(key)
+
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        """Nothing to learn here: the shadows hear whole requests, in ``touch``."""
+
+    def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
+        for shadow in self.shadows:
+            shadow.replay(keys)
+        for key in reversed(keys):
+            if key in self.uses.last:
+                self.clock += 1
+                # A pending block was only just inserted: that is not a second use.
+                self.uses.use(key, self.clock, reused=is_ready(key))
+
+    def choose_victims(self, need: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
+        order = self.uses.by_reuse() if self.follows_reuse else self.uses.by_recency()
+        candidates = [key for key in order if can_evict(key)]
+        return candidates[:need] if len(candidates) >= need else None
+
+    def resident(self) -> list[Key]:
+        return self.uses.by_recency()
+
+    def snapshot(self) -> tuple[object, ...]:
+        """The resident keys by last use and by reuse, the history, each shadow's keys in its
+        own order and its history, and the two scores (compared with the manager's)."""
+        lru, lru2 = self.shadows
+        return (
+            self.uses.by_recency(),
+            self.uses.by_reuse(),
+            list(self.uses.history),
+            [lru.uses.by_recency(), lru2.uses.by_reuse()],
+            [list(lru.uses.history), list(lru2.uses.history)],
+            (lru.score, lru2.score),
+        )
+
+    def fingerprint(self) -> tuple[Hashable, Hashable]:
+        """As ``LruOrder.fingerprint``: stamps as ranks, so equal orders compare equal."""
+        parts: list[Hashable] = [self._ranks(self.uses), self.follows_reuse]
+        for shadow in self.shadows:
+            parts += [self._ranks(shadow.uses), shadow.score]
+        return tuple(parts), ()
+
+    @staticmethod
+    def _ranks(uses: Lru2Uses) -> Hashable:
+        return (tuple(uses.by_recency()), tuple(uses.by_reuse()), tuple(uses.history))
+
+    def clear(self) -> None:
+        self.uses.clear()
+        for shadow in self.shadows:
+            shadow.clear()
+
+    def copy(self) -> DuelOrder:
+        """A deep copy (keys are immutable: only the containers are copied)."""
+        lru, lru2 = self.shadows
+        return DuelOrder(self.capacity, self.uses.copy(), (lru.copy(), lru2.copy()), self.clock)
+
+
+PolicyOrder = LruOrder | ArcOrder | DuelOrder
+
+POLICY_NAMES = ("lru", "arc", "duel")
 
 
 def new_order(policy: str, capacity: int) -> PolicyOrder:
+    if policy == "duel":
+        return DuelOrder.empty(capacity)
     return LruOrder() if policy == "lru" else ArcOrder(capacity)

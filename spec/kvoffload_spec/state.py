@@ -29,7 +29,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
+from kvoffload_spec.policies import DUEL_HISTORY, ArcOrder, DuelOrder, LruOrder, PolicyOrder
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -141,15 +141,28 @@ class SpecState:
         bisect.insort(self.free_slots, slot)
 
     def _record_offers(self, keys: Sequence[Key]) -> None:
-        """The tracker behind ``store_threshold``: offers per key, bounded in size by
-        forgetting the least recently offered key. An observation, not cache state: it is
-        recorded also when the store then fails.
+        """The tracker behind ``store_threshold``: offers per key of the call (``keys``, each
+        once; resident keys too: an offer of a resident key is a reuse), bounded in size.
+
+        A key already tracked counts one more offer and becomes the most recently offered
+        (in call order); then each new key is recorded with one offer, forgetting the least
+        recently offered key *outside this call* when the tracker is full, or not recorded
+        at all when every tracked key is of this call: the keys of one offer never push
+        each other out. An observation, not cache state: recorded also when the store then
+        fails.
         """
+        tracked = [key for key in keys if key in self.offers]
+        for key in tracked:
+            self.offers[key] = self.offers.pop(key) + 1
         for key in keys:
-            count = self.offers.pop(key, 0) + 1
+            if key in tracked:
+                continue
             if len(self.offers) >= self.max_tracker_size:
-                del self.offers[next(iter(self.offers))]
-            self.offers[key] = count
+                outside = [old for old in self.offers if old not in keys]
+                if not outside:
+                    continue
+                del self.offers[outside[0]]
+            self.offers[key] = 1
 
     # -- transitions -----------------------------------------------------------------------
 
@@ -157,7 +170,8 @@ class SpecState:
         """Plan to store the absent ``keys``, evicting what the policy chooses to make room.
 
         Pre: the state satisfies every invariant.
-        Post, on None: no cache state changed (only the offer tracker may have).
+        Post, on None: no cache state changed (only the observations may have: the offer
+        tracker, and ARC's ghost hits).
         Post, on a plan: victims were ready, unpinned and not among ``keys``; they are now
         absent; the candidates are pending in the lowest free slots, in call order; the
         evictable counter dropped by exactly the number of victims.
@@ -167,10 +181,13 @@ class SpecState:
         absent = [key for key in distinct if key not in self.blocks]
         resident = [key for key in distinct if key in self.blocks]
         if self.store_threshold >= 2:
-            self._record_offers(absent)
+            self._record_offers(distinct)
             candidates = [k for k in absent if self.offers.get(k, 0) >= self.store_threshold]
         else:
             candidates = absent
+        # Before anything is evicted or inserted (insert drops a ghost), and also when the
+        # store is then refused: what the request asked for is an observation.
+        self.order.on_store_miss(candidates)
         evictable_before = self.num_evictable
         need = len(candidates) - len(self.free_slots)
         victims: list[Key] = []
@@ -425,12 +442,32 @@ def invariant_violations(state: SpecState) -> list[str]:
         state.order.order
     ):
         problems.append("LRU order repeats a key")
+    elif isinstance(state.order, DuelOrder):
+        problems.extend(_duel_violations(state.order))
     if len(state.offers) > max(state.max_tracker_size, 0):
         problems.append(f"offer tracker holds {len(state.offers)} > {state.max_tracker_size}")
     if any(p.generation > state.generation for p in state.open_plans.values()):
         problems.append("an open plan belongs to a future generation")
     if any(plan_id >= state.next_plan_id for plan_id in state.open_plans):
         problems.append("an open plan has an id that was never issued")
+    return problems
+
+
+def _duel_violations(duel: DuelOrder) -> list[str]:
+    """The dueling order's own invariants: in the real order and in each shadow, every key
+    has a last use after its second most recent one, the history (bounded) holds no
+    resident key, and a shadow holds at most ``capacity`` keys."""
+    problems: list[str] = []
+    for name, uses in [("duel", duel.uses)] + [("shadow", s.uses) for s in duel.shadows]:
+        if uses.last.keys() != uses.penult.keys():
+            problems.append(f"{name}'s uses disagree: {uses!r}")
+        elif any(uses.penult[key] >= last for key, last in uses.last.items()):
+            problems.append(f"{name} has a key used twice at once: {uses!r}")
+        bound = DUEL_HISTORY * duel.capacity
+        if set(uses.history) & set(uses.last) or len(uses.history) > min(uses.history_limit, bound):
+            problems.append(f"{name}'s history holds a resident key or too many: {uses!r}")
+    if any(len(s.uses.last) > s.capacity or s.score < 0 for s in duel.shadows):
+        problems.append(f"a shadow holds more than its capacity or scores below 0: {duel!r}")
     return problems
 
 

@@ -17,7 +17,8 @@ class ArcPolicy(EvictionPolicy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST'03), as the spec adapts it.
 
     T1 holds keys seen once, T2 keys touched again while ready; B1 and B2 are ghosts of keys
-    evicted from T1 and T2, and a touch that hits a ghost moves the target size ``p`` of T1.
+    evicted from T1 and T2, and a ghost hit (a store about to place a ghost's key again, or
+    a touch of it) moves the target size ``p`` of T1.
     Victims come from T1 when ``|T1| >= p``, else from T2, falling back to the other list
     when the preferred one has no candidate.
 
@@ -64,12 +65,14 @@ class ArcPolicy(EvictionPolicy):
             if code is not None:
                 # A pending block was only just inserted: that is not a second access.
                 self._restamp(key, in_t2=bool(code & 1) or is_ready(key))
-            elif key in self._b1:
-                self.p = min(self.p + max(1.0, len(self._b2) / len(self._b1)), self.capacity)
-                self._b1.move_to_end(key)
-            elif key in self._b2:
-                self.p = max(self.p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
-                self._b2.move_to_end(key)
+            else:
+                self._ghost_hit(key)
+
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        # Before insert drops the ghost: in an engine's order a returning key is stored
+        # again before it is touched, so this is where ARC sees it come back.
+        for key in reversed(keys):
+            self._ghost_hit(key)
 
     def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
         t1_keys = self._candidates(self._t1, protected)
@@ -156,6 +159,14 @@ class ArcPolicy(EvictionPolicy):
         """
         prefer_t1 = t1_size >= int(self.p)
         return t1_has if prefer_t1 else not t2_has
+
+    def _ghost_hit(self, key: Key) -> None:
+        if key in self._b1:
+            self.p = min(self.p + max(1.0, len(self._b2) / len(self._b1)), self.capacity)
+            self._b1.move_to_end(key)
+        elif key in self._b2:
+            self.p = max(self.p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
+            self._b2.move_to_end(key)
 
     def _restamp(self, key: Key, *, in_t2: bool) -> None:
         run = self._run_of(key)

@@ -36,10 +36,12 @@ class EvictionPolicy(ABC):
 
         insert -> (mark_evictable | mark_unevictable)* -> evict | remove | clear
 
-    ``insert`` makes the key resident and most recent, not evictable; ``mark_evictable`` and
-    ``mark_unevictable`` alternate, starting with ``mark_evictable``; ``evict`` only ever
-    receives keys that are evictable, ``remove`` only keys that are not. ``touch`` may name
-    keys that are not resident: ignore them (or, like ARC, use them as ghost hits).
+    ``on_store_miss`` hears the keys a ``prepare_store`` is about to place, before any
+    victim is chosen. ``insert`` makes the key resident and most recent, not evictable;
+    ``mark_evictable`` and ``mark_unevictable`` alternate, starting with
+    ``mark_evictable``; ``evict`` only ever receives keys that are evictable, ``remove``
+    only keys that are not. ``touch`` may name keys that are not resident: ignore them (or,
+    like ARC, use them as ghost hits).
     """
 
     __slots__ = ("capacity",)
@@ -66,6 +68,14 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         """``keys`` were used; the first key ends up the most recent (process in reverse)."""
+
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        """``prepare_store`` is about to place ``keys`` (distinct, absent, admitted by the
+        store threshold), before it asks for victims or inserts them; called also when the
+        store is then refused. A policy with a history (ARC's ghosts) learns from the miss
+        here, before ``insert`` forgets it. The default learns nothing.
+        """
+        return
 
     @abstractmethod
     def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:

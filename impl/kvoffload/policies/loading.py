@@ -8,16 +8,21 @@ import traceback
 
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
+from kvoffload.policies.duel import DuelPolicy
 from kvoffload.policies.lru import LruPolicy
 from kvoffload_spec.errors import UnknownPolicyError
 
-BUILTIN_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LruPolicy, "arc": ArcPolicy}
+BUILTIN_POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LruPolicy,
+    "arc": ArcPolicy,
+    "duel": DuelPolicy,
+}
 
 
 def resolve_policy(policy: object) -> type[EvictionPolicy]:
     """The policy class ``policy`` names; raises ``UnknownPolicyError`` if there is none.
 
-    Accepted: a built-in name (``"lru"``, ``"arc"``), a concrete subclass of
+    Accepted: a built-in name (``"lru"``, ``"arc"``, ``"duel"``), a concrete subclass of
     :class:`EvictionPolicy`, or ``"package.module:ClassName"``, which imports the module.
     """
     if isinstance(policy, str):
