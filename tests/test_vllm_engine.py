@@ -17,9 +17,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is a test requirement: requirements-engines.txt")
 
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
@@ -28,25 +28,25 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.forward_context import ForwardContext  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.forward_context import ForwardContext
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
-from kvoffload.integrations.vllm import KvoffloadManager  # noqa: E402
+from kvoffload.integrations.vllm import KvoffloadManager
 
 MODEL_DIR = pathlib.Path(__file__).parent / "engine_model"
 BLOCK_SIZE = 16

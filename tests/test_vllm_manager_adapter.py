@@ -17,17 +17,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is a test requirement: requirements-engines.txt")
 
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadingEvent,
     OffloadKey,
     ReqContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from kvoffload.integrations.vllm import KvoffloadManager  # noqa: E402
-from kvoffload.policies import BUILTIN_POLICIES  # noqa: E402
+from kvoffload.integrations.vllm import KvoffloadManager
+from kvoffload.policies import BUILTIN_POLICIES
 
 
 def key(name: str) -> OffloadKey:
@@ -106,7 +106,10 @@ def walk(seed: int, steps: int, tally: Tally) -> None:
             offered = part + part[:1] if rng.random() < 0.1 else part  # a duplicate, rarely
             if len(offered) != len(part):
                 continue  # vLLM 0.33 leaks a chunk on duplicates: test_duplicates_* below
-            mine, vllm = ours.prepare_store(offered, ctx_ours), theirs.prepare_store(offered, ctx_theirs)
+            mine, vllm = (
+                ours.prepare_store(offered, ctx_ours),
+                theirs.prepare_store(offered, ctx_theirs),
+            )
             tally.stores += 1
             assert (mine is None) == (vllm is None), (seed, number, offered)
             if mine is None or vllm is None:
@@ -257,14 +260,14 @@ def test_reset_keeps_old_jobs_slots_out_of_use_until_flushed() -> None:
     a = key("a")
     old = manager.prepare_store([a], ctx)
     assert old is not None
-    old_slots = set(old.store_spec.block_ids.tolist())  # type: ignore[attr-defined]
+    old_slots = set(old.store_spec.block_ids.tolist())
     manager.reset_cache()
     # vLLM never completes the old job; its copy may still land in its slot.
     new = manager.prepare_store([a, key("b")], ctx)
     assert new is None  # one of two slots is quarantined: no room for two
     new = manager.prepare_store([a], ctx)
     assert new is not None
-    assert old_slots.isdisjoint(new.store_spec.block_ids.tolist())  # type: ignore[attr-defined]
+    assert old_slots.isdisjoint(new.store_spec.block_ids.tolist())
     manager.complete_store([a], ctx)
     assert manager.lookup(a, ctx) is LookupResult.HIT
     manager.on_reset_flushed()  # every old job reported: its slot is free again

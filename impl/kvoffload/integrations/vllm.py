@@ -259,7 +259,11 @@ class KvoffloadManager(OffloadingManager):
 
     def _access(self, req_context: ReqContext) -> _RequestAccess:
         access = req_context.get_state(_RequestAccess)
-        if access is None or access.owner is not self or access.generation != self._generation:
+        if (
+            not isinstance(access, _RequestAccess)
+            or access.owner is not self
+            or access.generation != self._generation
+        ):
             access = _RequestAccess(self, self._generation)
             req_context.set_state(access)
         return access
@@ -281,9 +285,7 @@ class KvoffloadManager(OffloadingManager):
             return
         keys = sorted(access.order, key=access.order.__getitem__)
         if not self._touch_own_stores:
-            keys = [
-                key for key in keys if key in access.reused or key in self._store_plan_of
-            ]
+            keys = [key for key in keys if key in access.reused or key in self._store_plan_of]
         if keys:
             self.manager.touch(keys)
 
@@ -317,9 +319,11 @@ class KvoffloadManagerSpec(CPUOffloadingSpec):
     """kvoffload's manager, vLLM's own CPU worker (its sizing and metrics kept)."""
 
     def get_manager(self) -> OffloadingManager:
-        if self._manager is None:
-            self._manager = _manager_for(self)
-        return self._manager
+        manager: KvoffloadManager | None = getattr(self, "_kvoffload_manager", None)
+        if manager is None:
+            manager = _manager_for(self)
+            self._kvoffload_manager = self._manager = manager
+        return manager
 
 
 class KvoffloadSpec(KvoffloadManagerSpec):
@@ -358,7 +362,9 @@ class KvoffloadWorker(OffloadingWorker):
         self._vllm_job: dict[int, int] = {}  # engine job id -> vLLM job id
         self._engine_job: dict[int, int] = {}  # vLLM job id -> engine job id
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
         assert isinstance(dst_spec, CPULoadStoreSpec)
         if not self._aligned(src_spec, dst_spec):
             return False
