@@ -27,6 +27,8 @@ class ArcPolicy(EvictionPolicy):
     costs O(k log n) however many blocks are pinned. Ghosts are insertion-ordered dicts.
     """
 
+    touch_counts_reuse = True
+
     __slots__ = ("_b1", "_b2", "_clock", "_codes", "_t1", "_t1_size", "_t2", "_t2_size", "p")
 
     def __init__(self, capacity: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Container, Sequence
+from typing import ClassVar
 
 from kvoffload_spec.surface import Key
 
@@ -45,6 +46,11 @@ class EvictionPolicy(ABC):
     """
 
     __slots__ = ("capacity",)
+
+    #: True when ``touch`` of a ready key counts as a repeated use (frequency), not just
+    #: recency, as in ARC (T1 -> T2). Engine adapters then touch only the keys a request
+    #: really reused, so that a request's own stores never count as a second use.
+    touch_counts_reuse: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

@@ -1,0 +1,9 @@
+"""Plug-ins that put kvoffload inside inference engines, with no change to the engines.
+
+- ``kvoffload.integrations.vllm``: ``KvoffloadSpec`` and ``KvoffloadManagerSpec``, offloading
+  specs for vLLM's ``OffloadingConnector`` (vLLM 0.33).
+- ``kvoffload.integrations.sglang``: ``KvoffloadHiCacheStorage``, an L3 storage backend for
+  SGLang's HiCache.
+
+Each module imports its engine; this package imports neither (docs/integrations.md).
+"""

@@ -1,0 +1,407 @@
+"""kvoffload inside vLLM 0.33's ``OffloadingConnector``, selected by configuration alone.
+
+``kv_connector_extra_config = {"spec_name": "KvoffloadSpec", "spec_module_path":
+"kvoffload.integrations.vllm", "cpu_bytes_to_use": ..., "eviction_policy": "lru"}``.
+
+- ``KvoffloadManagerSpec``: kvoffload's manager for the bookkeeping, vLLM's own CPU worker
+  (and its sizing, shared memory region and metrics) for the copies.
+- ``KvoffloadSpec``: kvoffload's manager and kvoffload's transfer engine (CPU and CUDA).
+
+``KvoffloadManager`` adapts ``OffloadManager`` to vLLM's ``OffloadingManager`` interface;
+docs/integrations.md says what it bridges and where it differs from vLLM's own manager.
+Importing this module imports vLLM; ``import kvoffload`` never does.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    ConfigInfoMapping,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoffload.manager import OffloadManager
+from kvoffload.transfer import CpuBlockPool, KVLayout, TransferEngine
+from kvoffload_spec.errors import InvalidArgumentError
+from kvoffload_spec.surface import (
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    LoadPlan,
+    Lookup,
+    RemovalReason,
+    StorePlan,
+)
+
+__all__ = ["KvoffloadManager", "KvoffloadManagerSpec", "KvoffloadSpec", "KvoffloadWorker"]
+
+_LOOKUP = {Lookup.HIT: LookupResult.HIT, Lookup.PENDING: LookupResult.HIT_PENDING}
+
+
+@dataclass(slots=True)
+class _RequestAccess:
+    """The keys one request touched, for its recency (vLLM 0.33 never calls ``touch``)."""
+
+    owner: object
+    generation: int
+    order: dict[OffloadKey, int] = field(default_factory=dict)  # key -> prefix position
+    reused: set[OffloadKey] = field(default_factory=set)  # ready when the request met it
+    finished: bool = False
+
+
+class KvoffloadManager(OffloadingManager):
+    """vLLM's ``OffloadingManager`` interface over kvoffload's ``OffloadManager``.
+
+    vLLM completes jobs by their keys and makes exactly one job per prepare call, so each
+    completion is mapped back to the plan of that call: a store by its keys (a pending key
+    belongs to exactly one open store plan), a load by its set of keys (two requests may load
+    the same blocks at once; their plans complete oldest first). Recency, which vLLM 0.33's
+    scheduler never reports through ``touch``, comes from the accesses of each request: its
+    keys are touched in prefix order (the head ends most recent) after each of its prepare
+    calls and when it finishes. A reset abandons every open plan, so that no slot an old job
+    may still write is handed out before ``on_reset_flushed`` says those jobs are over.
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        eviction_policy: str = "lru",
+        *,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        enable_events: bool = False,
+        config_info: ConfigInfoMapping | None = None,
+        manager: OffloadManager | None = None,
+    ) -> None:
+        self.medium = Medium.CPU
+        self.manager = manager or OffloadManager(
+            num_chunks,
+            eviction_policy,
+            store_threshold=max(1, store_threshold),
+            max_tracker_size=max_tracker_size,
+            enable_events=enable_events,
+        )
+        self._events_on = enable_events
+        self._config_info: ConfigInfoMapping = config_info or {}
+        # A policy that reads a touch of a ready key as a second use (ARC) must not hear a
+        # request's own completed stores as reuse; a recency-only one (LRU) must, or the
+        # request's tail and head end in the wrong order.
+        self._touch_own_stores = not getattr(type(self.manager.policy), "touch_counts_reuse", False)
+        self._store_plan_of: dict[OffloadKey, StorePlan] = {}  # pending key -> its open plan
+        self._store_left: dict[int, set[OffloadKey]] = {}  # plan id -> keys not completed yet
+        self._load_plans: defaultdict[frozenset[OffloadKey], deque[LoadPlan]] = defaultdict(deque)
+        self._abandoned: list[StorePlan | LoadPlan] = []  # due at on_reset_flushed
+        self._generation = 0
+        self._allocation_sizes: list[int] = []
+
+    # -- lookups and loads -----------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return _LOOKUP.get(self.manager.lookup(key), LookupResult.MISS)
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        plan = self.manager.prepare_load(list(keys))
+        self._load_plans[frozenset(plan.keys)].append(plan)
+        self._record(req_context, plan.keys, reused=plan.keys)
+        self._touch_request(req_context)
+        return CPULoadStoreSpec(list(plan.block_ids))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        plans = self._load_plans.get(frozenset(keys))
+        if not plans:
+            return  # a job made before a reset: its plan was abandoned then
+        plan = plans.popleft()
+        if not plans:
+            del self._load_plans[frozenset(keys)]
+        self.manager.complete_load(plan)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.manager.touch(list(keys))
+
+    # -- stores ----------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        offered = list(keys)
+        found = {key: self.manager.lookup(key) for key in offered}
+        ready = [key for key, state in found.items() if state is Lookup.HIT]
+        plan = self.manager.prepare_store(offered)
+        # The request accessed the keys it stores and the ready ones it offered again; a key
+        # another request is still storing is neither (vLLM's manager records the same).
+        stored = [key for key, state in found.items() if state is Lookup.MISS]
+        accessed = set(ready).union(stored if plan is None else plan.keys)
+        self._record(req_context, [key for key in offered if key in accessed], reused=ready)
+        if plan is None:
+            self._touch_request(req_context)
+            return None
+        if not plan.keys:
+            # Nothing to store: vLLM makes no job, so no completion will come. Close it.
+            self.manager.complete_store(plan)
+        else:
+            self._allocation_sizes.append(len(plan.keys))
+            self._store_left[plan.plan_id] = set(plan.keys)
+            for key in plan.keys:
+                self._store_plan_of[key] = plan
+        self._touch_request(req_context)
+        return PrepareStoreOutput(
+            keys_to_store=list(plan.keys),
+            store_spec=CPULoadStoreSpec(list(plan.block_ids)),
+            evicted_keys=list(plan.evicted_keys),
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        for key in keys:
+            plan = self._store_plan_of.pop(key, None)
+            if plan is None:
+                continue  # not pending in an open plan (a pre-reset job, or reported twice)
+            left = self._store_left[plan.plan_id]
+            left.discard(key)
+            if not left:
+                del self._store_left[plan.plan_id]
+                self.manager.complete_store(plan, success)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._access(req_context)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        access = req_context.get_state(_RequestAccess)
+        if access is None or access.owner is not self or access.generation != self._generation:
+            return
+        if access.finished:
+            return
+        self._touch_request(req_context)
+        access.finished = True
+
+    # -- reset -----------------------------------------------------------------------------
+
+    def reset_cache(self) -> None:
+        # vLLM never completes the jobs in flight now; it calls on_reset_flushed once the
+        # workers have reported them all. Abandon their plans first: a store's slots stay
+        # quarantined (handed to no one) until then, so an old copy cannot land in a slot a
+        # new key was given.
+        open_plans: list[StorePlan | LoadPlan] = list(
+            {plan.plan_id: plan for plan in self._store_plan_of.values()}.values()
+        )
+        open_plans += [plan for plans in self._load_plans.values() for plan in plans]
+        for plan in open_plans:
+            self.manager.abandon(plan)
+        self._abandoned += open_plans
+        self._store_plan_of.clear()
+        self._store_left.clear()
+        self._load_plans.clear()
+        self.manager.reset_cache()
+        self._generation += 1
+
+    def on_reset_flushed(self) -> None:
+        for plan in self._abandoned:
+            if isinstance(plan, StorePlan):
+                self.manager.complete_store(plan, success=False)
+            else:
+                self.manager.complete_load(plan)
+        self._abandoned.clear()
+
+    # -- events, stats ---------------------------------------------------------------------
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events_on:
+            return []
+        return [_vllm_event(event) for event in self.manager.take_events() if event.keys]
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        stats = self.manager.stats()
+        num_blocks = stats.num_blocks
+        in_use = (stats.pending + stats.pinned) / num_blocks
+        writing = stats.pending / num_blocks
+        connector_stats = OffloadingConnectorStats()
+        connector_stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, in_use)
+        connector_stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, writing)
+        connector_stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, in_use - writing)
+        for size in self._allocation_sizes:
+            connector_stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self._allocation_sizes.clear()
+        return connector_stats
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [self._config_info]
+
+    # -- recency ---------------------------------------------------------------------------
+
+    def _access(self, req_context: ReqContext) -> _RequestAccess:
+        access = req_context.get_state(_RequestAccess)
+        if (
+            not isinstance(access, _RequestAccess)
+            or access.owner is not self
+            or access.generation != self._generation
+        ):
+            access = _RequestAccess(self, self._generation)
+            req_context.set_state(access)
+        return access
+
+    def _record(
+        self, req_context: ReqContext, keys: Iterable[OffloadKey], reused: Iterable[OffloadKey]
+    ) -> None:
+        access = self._access(req_context)
+        for key in keys:
+            if key not in access.order:
+                position = req_context.get_offload_key_position(key)
+                access.order[key] = len(access.order) if position is None else position
+        access.reused.update(reused)
+
+    def _touch_request(self, req_context: ReqContext) -> None:
+        """Touch the request's keys in prefix order, so its head ends most recent."""
+        access = self._access(req_context)
+        if access.finished:
+            return
+        keys = sorted(access.order, key=access.order.__getitem__)
+        if not self._touch_own_stores:
+            keys = [key for key in keys if key in access.reused or key in self._store_plan_of]
+        if keys:
+            self.manager.touch(keys)
+
+
+def _vllm_event(event: Event) -> OffloadingEvent:
+    keys = [OffloadKey(key) for key in event.keys]
+    if isinstance(event, BlocksStored):
+        return OffloadingEvent(keys=keys, medium=Medium.CPU, removed=False)
+    assert isinstance(event, BlocksRemoved)
+    return OffloadingEvent(
+        keys=keys,
+        medium=Medium.CPU,
+        removed=True,
+        metadata_only=event.reason is RemovalReason.STORE_FAILED,
+    )
+
+
+def _manager_for(spec: CPUOffloadingSpec) -> KvoffloadManager:
+    extra: dict[str, Any] = dict(spec.extra_config)
+    return KvoffloadManager(
+        spec.num_chunks,
+        str(extra.get("eviction_policy", "lru")),
+        store_threshold=int(extra.get("store_threshold", 0)),
+        max_tracker_size=int(extra.get("max_tracker_size", 64_000)),
+        enable_events=spec.kv_events_config.enable_kv_cache_events,
+        config_info=spec.cpu_info.as_config_info(),
+    )
+
+
+class KvoffloadManagerSpec(CPUOffloadingSpec):
+    """kvoffload's manager, vLLM's own CPU worker (its sizing and metrics kept)."""
+
+    def get_manager(self) -> OffloadingManager:
+        manager: KvoffloadManager | None = getattr(self, "_kvoffload_manager", None)
+        if manager is None:
+            manager = _manager_for(self)
+            self._kvoffload_manager = self._manager = manager
+        return manager
+
+
+class KvoffloadSpec(KvoffloadManagerSpec):
+    """kvoffload's manager and kvoffload's transfer engine, on CPU and CUDA alike."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        worker = getattr(self, "_kvoffload_worker", None)
+        if worker is None:
+            worker = KvoffloadWorker(kv_caches, self.num_chunks, self.blocks_per_chunk)
+            self._kvoffload_worker = worker
+        return worker
+
+
+class KvoffloadWorker(OffloadingWorker):
+    """vLLM's worker interface over kvoffload's ``TransferEngine``.
+
+    A CPU chunk holds ``blocks_per_chunk`` device blocks of every KV tensor. Transfers must
+    be chunk-aligned (whole chunks), and a job must succeed: vLLM 0.33's worker asserts
+    ``success`` and has no channel to report a failed job.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, num_chunks: int, blocks_per_chunk: int):
+        if len(kv_caches.group_data_refs) != 1:
+            raise InvalidArgumentError(
+                "KvoffloadSpec supports one KV cache group; use KvoffloadManagerSpec"
+            )
+        tensors = [canonical.tensor for canonical in kv_caches.tensors]
+        layout = KVLayout(tensors, 0)
+        pool = CpuBlockPool(
+            blocks_per_chunk * layout.bytes_per_block,
+            max(1, num_chunks),
+            pin=layout.device.type == "cuda",
+        )
+        self.engine = TransferEngine(layout, pool, block_size_factor=blocks_per_chunk)
+        self._factor = blocks_per_chunk
+        self._vllm_job: dict[int, int] = {}  # engine job id -> vLLM job id
+        self._engine_job: dict[int, int] = {}  # vLLM job id -> engine job id
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        assert isinstance(dst_spec, CPULoadStoreSpec)
+        if not self._aligned(src_spec, dst_spec):
+            return False
+        self._track(job_id, self.engine.submit_store(src_spec.block_ids, dst_spec.block_ids))
+        return True
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        assert isinstance(src_spec, CPULoadStoreSpec)
+        if not self._aligned(dst_spec, src_spec):
+            return False
+        self._track(job_id, self.engine.submit_load(src_spec.block_ids, dst_spec.block_ids))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        finished = []
+        for result in self.engine.poll():
+            job_id = self._vllm_job.pop(result.job_id)
+            del self._engine_job[job_id]
+            finished.append(TransferResult(job_id, result.ok, result.nbytes, result.seconds))
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.engine.wait([self._engine_job[job] for job in job_ids if job in self._engine_job])
+
+    def shutdown(self) -> None:
+        self.engine.close()
+
+    def _aligned(self, device: GPULoadStoreSpec, cpu: CPULoadStoreSpec) -> bool:
+        starts_aligned = all(index % self._factor == 0 for index in device.block_indices)
+        return starts_aligned and len(device.block_ids) == self._factor * len(cpu.block_ids)
+
+    def _track(self, job_id: int, engine_job: int) -> None:
+        self._vllm_job[engine_job] = job_id
+        self._engine_job[job_id] = engine_job
