@@ -17,6 +17,9 @@ offloader's lock, right after a wait for jobs returns, right after a job is queu
 worker, and inside the copies), from the test side only, and the checks look at ordering
 directly: ``reset_cache`` must never run with a job in flight, and a job ``poll`` reported
 must no longer count as running. Many seeds, each a short run; each planted race is caught.
+Each race is also replayed under a fixed schedule that makes its hand-off go the bad way
+(the worker finishing a job before ``submit`` returns; a store running between a reset's
+wait and its reset), where the real code passes and the planted bug fails every time.
 """
 
 from __future__ import annotations
@@ -534,3 +537,124 @@ def test_a_planted_race_is_caught(race: PlantedRace) -> None:
         if seen:
             break
     assert seen, f"{race.name}: not caught in {SEEDS} seeds"
+
+
+# -- the same two races under a fixed schedule: each hand-off made to go the bad way ----------
+
+
+def small_offloader(
+    offloader_class: type[Offloader] = Offloader, backend_class: type[CpuBackend] = CpuBackend
+) -> tuple[Offloader, Recorder]:
+    tensors = [torch.zeros((2, 4, 16), dtype=torch.uint8) for _ in range(2)]
+    recorder = Recorder(OffloadManager(4, "lru"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "CpuBackend", backend_class)
+        offloader = offloader_class(tensors, block_dim=1, manager=recorder, threaded=True)
+    recorder.offloader = offloader
+    return offloader, recorder
+
+
+class WorkerFirstQueue:
+    """Queues a job, then holds the submitting thread until the worker has finished it:
+    the schedule in which the worker wins the race against the rest of ``submit``."""
+
+    def __init__(self, backend: CpuBackend, jobs: queue.SimpleQueue[Job | None]) -> None:
+        self._backend = backend
+        self._jobs = jobs
+
+    def put(self, job: Job | None) -> None:
+        self._jobs.put(job)
+        if job is not None:
+            with self._backend._changed:
+                self._backend._changed.wait_for(lambda: job.job_id in self._backend._done, 5.0)
+
+
+def worker_first_problems(backend_class: type[CpuBackend]) -> list[str]:
+    offloader, _ = small_offloader(backend_class=backend_class)
+    backend = offloader.engine._backend
+    assert isinstance(backend, CpuBackend)
+    backend._queues = {
+        direction: WorkerFirstQueue(backend, jobs)  # type: ignore[misc]
+        for direction, jobs in backend._queues.items()
+    }
+    problems = []
+    plan = offloader.store(["a"], [0])
+    assert plan is not None
+    if not offloader.wait([plan], timeout=0.2):  # it finished: no time should be needed
+        problems.append("a job the worker finished at once still counts as running")
+    offloader.poll()
+    if not offloader.engine.wait(timeout=0.2):
+        problems.append("the engine counts a reported job as running")
+    offloader.close(timeout=1.0)
+    return problems
+
+
+def store_during_reset_problems(offloader_class: type[Offloader]) -> list[str]:
+    """A reset and a store on two threads, in the order: the reset's wait for jobs returns;
+    the store runs as far as it can (to the end, unless the lock keeps it out); its job
+    stays running; then the reset goes on. The reset must not run with that job in flight.
+    """
+    offloader, recorder = small_offloader(offloader_class)
+    waited, store_stuck_or_done, release_job = (threading.Event() for _ in range(3))
+    real_wait = offloader.engine.wait
+
+    def wait_then_let_the_store_in(*args: object, **kwargs: object) -> bool:
+        finished = real_wait(*args, **kwargs)  # type: ignore[arg-type]
+        if threading.current_thread().name == "resetter":
+            waited.set()
+            store_stuck_or_done.wait(5.0)
+        return finished
+
+    offloader.engine.wait = wait_then_let_the_store_in  # type: ignore[method-assign]
+
+    def hold_the_job(job: int, run: int) -> None:
+        release_job.wait(5.0)
+
+    offloader.engine.fault_hook = hold_the_job
+    lock = offloader._lock
+
+    class ReportingLock:
+        """The offloader's lock, telling the schedule when the storer must wait for it."""
+
+        def __enter__(self) -> None:
+            if not lock.acquire(blocking=False):
+                if threading.current_thread().name == "storer":
+                    store_stuck_or_done.set()
+                lock.acquire()
+
+        def __exit__(self, *exc_info: object) -> None:
+            lock.release()
+
+    offloader._lock = ReportingLock()  # type: ignore[assignment]
+
+    def store() -> None:
+        waited.wait(5.0)
+        offloader.store(["a"], [0])
+        store_stuck_or_done.set()
+
+    threads = [
+        threading.Thread(target=offloader.reset, name="resetter"),
+        threading.Thread(target=store, name="storer"),
+    ]
+    for thread in threads:
+        thread.start()
+    threads[0].join(10.0)
+    release_job.set()
+    threads[1].join(10.0)
+    problems = [
+        f"{n} resets with jobs in flight" for n in [recorder.resets_with_jobs_in_flight] if n
+    ]
+    offloader.wait(timeout=5.0)
+    offloader.poll()
+    offloader.close(timeout=5.0)
+    return problems
+
+
+def test_a_worker_that_wins_the_hand_off_leaves_nothing_running() -> None:
+    assert worker_first_problems(CpuBackend) == []
+    assert worker_first_problems(RegistersAfterTheHandOff) != []
+
+
+def test_a_store_racing_a_reset_waits_for_it() -> None:
+    assert store_during_reset_problems(Offloader) == []
+    assert store_during_reset_problems(ResetWaitsOutsideTheLock) == ["1 resets with jobs in flight"]
