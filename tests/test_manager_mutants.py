@@ -331,7 +331,7 @@ class Incomplete(EvictionPolicy):
     [
         (
             "fifo",
-            "unknown policy 'fifo': choose one of lru, arc, an EvictionPolicy subclass, or "
+            "unknown policy 'fifo': choose one of lru, arc, duel, an EvictionPolicy subclass, or "
             "'module:Class'",
         ),
         (
