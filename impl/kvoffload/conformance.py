@@ -652,7 +652,10 @@ def _run_directed(
             machine.agree()
     except ConformanceError as error:
         history = f"{num_blocks} blocks, churn {list(churn)}, touch {touch}"
-        error.args = (f"{error} (in the directed history: {history})",)
+        # The history's name goes on its header line: the lines below it stay the calls
+        # and the verdict, as in every other counterexample.
+        header, _, rest = str(error).partition("\n")
+        error.args = (f"{header} (the directed history of {history})\n{rest}".rstrip("\n"),)
         raise
     finally:
         machine.teardown()
