@@ -336,7 +336,8 @@ class Incomplete(EvictionPolicy):
         ),
         (
             "kvoffload.no_such_module:Policy",
-            "policy 'kvoffload.no_such_module:Policy': cannot import 'kvoffload.no_such_module'",
+            "policy 'kvoffload.no_such_module:Policy': cannot import 'kvoffload.no_such_module': "
+            "no module 'kvoffload.no_such_module' in the current directory or on PYTHONPATH",
         ),
         (
             "kvoffload.policies:NoSuchPolicy",

@@ -162,6 +162,7 @@ def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path: Path) -> None:
         (gzip.compress(b"\xff\xfe"), "not a text file"),
         (gzip.compress(b'{"hash_ids": [1, 2]\n'), "t.jsonl.gz:1: not valid JSON"),
     ],
+    ids=["not-gzip", "truncated", "not-text", "bad-json"],
 )
 def test_a_broken_gzipped_trace_says_what_is_wrong(
     tmp_path: Path, content: bytes, expected: str

@@ -1,6 +1,7 @@
 """The ``kvoffload`` command: ``simulate``, ``sweep`` and ``verify``.
 
-Startup stays quick: this module imports only the standard library, and each command
+Startup stays quick: this module imports only the standard library, the parser reads the
+policy names and sweep defaults from their modules (no torch, no numpy), and each command
 imports what it needs (torch only for ``simulate``) when it runs. A mistake a user can make
 (a bad trace, an unknown policy, an impossible size) ends with one line on stderr and exit
 status 1; a malformed command line with argparse's usage message and status 2.
