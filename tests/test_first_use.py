@@ -409,8 +409,12 @@ def test_the_readme_opens_with_exactly_the_two_set_up_and_run_commands() -> None
         "python3 -m venv .venv && .venv/bin/pip install -q -r requirements.txt && "
         ".venv/bin/kvoffload simulate",
         "python3 -m venv .venv && .venv/bin/pip install -q -r requirements-dev.txt && "
+        ".venv/bin/pip install -q --no-deps -r requirements-engines.txt && "
         ".venv/bin/python -m pytest",
     ]
+    # CI runs the README's test command and nothing else
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert [line for line in ci if line.startswith("python3 ")] == commands[1:]
 
 
 def test_the_readme_integration_example_runs_as_written(
