@@ -189,7 +189,6 @@ class Engine:
         raise AssertionError("the engine did not drain")
 
 
-@pytest.mark.slow
 # vLLM's own CPU worker runs only on CUDA (its get_worker refuses other platforms), so with
 # KvoffloadManagerSpec the scheduler runs that spec and the worker kvoffload's engine.
 @pytest.mark.parametrize("spec_name", ["KvoffloadSpec", "KvoffloadManagerSpec"])
