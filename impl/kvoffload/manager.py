@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 from kvoffload.policies.base import EvictionPolicy, PolicyContractError
 from kvoffload.policies.loading import resolve_policy
-from kvoffload.sharded import ShardedDict
+from kvoffload.sharded import AscendingDict, ShardedDict
 from kvoffload.stats import ManagerStats, Tally
 from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, InvalidArgumentError
 from kvoffload_spec.model import SpecViolation
@@ -130,8 +130,8 @@ class OffloadManager:
         self._num_evictable = 0
         self._offers: OrderedDict[Key, int] = OrderedDict()  # least recently offered first
         self._events: list[Event] | None = [] if events_on else None
-        self._open_plans: dict[int, StorePlan | LoadPlan] = {}
-        self._opened_at: dict[int, float] = {}  # open plan id -> clock when it was made
+        self._open_plans: AscendingDict[StorePlan | LoadPlan] = AscendingDict()
+        self._opened_at: AscendingDict[float] = AscendingDict()  # open plan id -> its clock
         # abandoned plan id -> the slots its store job may still write (quarantined)
         self._abandoned: dict[int, tuple[int, ...]] = {}
         self._next_plan_id = 0

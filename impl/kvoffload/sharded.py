@@ -7,17 +7,16 @@ tens of milliseconds at a million entries, over and over. Split into shards of a
 few hundred entries each, the same work comes in pieces of a few microseconds, at the
 same amortized cost and the same memory per entry.
 
-``ShardedDict`` is that split dict. ``OrderedKeys`` is an insertion-ordered set (what an
-``OrderedDict`` of keys to None is used for) built on two of them as a doubly linked list,
-so that its appends, removals and pops from the front are O(1) in the worst case too.
-
-Neither keeps insertion order across shards: iteration order is arbitrary for
-``ShardedDict`` (callers that need an order sort), and first-to-last for ``OrderedKeys``.
+``ShardedDict`` is that split dict; its iteration order is arbitrary (callers that need
+an order sort). ``OrderedKeys`` is an insertion-ordered set (what an ``OrderedDict`` of keys
+to None is used for) kept as a doubly linked list in shards, so that its appends, removals
+and pops from the front are O(1) in the worst case too. ``AscendingDict`` holds int keys
+that arrive in increasing order (plan ids) in chunks of consecutive keys, iterated in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
@@ -56,7 +55,7 @@ class ShardedDict(Generic[K, V]):
         return self._shards[hash(key) % self._count]
 
     def __len__(self) -> int:
-        return sum(map(len, self._shards))
+        return sum(len(shard) for shard in self._shards)
 
     def __contains__(self, key: object) -> bool:
         return key in self._shards[hash(key) % self._count]
@@ -190,3 +189,65 @@ class OrderedKeys(Generic[K]):
         before, after = self._prev[at].pop(key), self._next[at].pop(key)
         self._link(before, after)
         self._size -= 1
+
+
+class AscendingDict(MutableMapping[int, V]):
+    """A dict of int keys inserted in increasing order (plan ids), iterated in key order,
+    and split into chunks of ``CHUNK_KEYS`` consecutive keys so that no table is large.
+
+    Keys arrive in increasing order and leave in any order: the chunks are created in key
+    order (a plain dict of chunks keeps that order) and each chunk's entries are in key
+    order too. A chunk is dropped when its last key leaves, so the dict of chunks holds one
+    entry per chunk with a key still present, and changes once per ``CHUNK_KEYS`` keys.
+    """
+
+    __slots__ = ("_chunks",)
+
+    CHUNK_KEYS = 1_024
+
+    def __init__(self) -> None:
+        self._chunks: dict[int, dict[int, V]] = {}
+
+    def __repr__(self) -> str:
+        return f"AscendingDict({dict(self.items())!r})"
+
+    def __len__(self) -> int:
+        return sum(len(chunk) for chunk in self._chunks.values())
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, int):
+            return False
+        chunk = self._chunks.get(key // self.CHUNK_KEYS)
+        return chunk is not None and key in chunk
+
+    def __getitem__(self, key: int) -> V:
+        chunk = self._chunks.get(key // self.CHUNK_KEYS)
+        if chunk is None:
+            raise KeyError(key)
+        return chunk[key]
+
+    def get(self, key: int, default: V | None = None) -> V | None:  # type: ignore[override]
+        chunk = self._chunks.get(key // self.CHUNK_KEYS)
+        return default if chunk is None else chunk.get(key, default)
+
+    def __iter__(self) -> Iterator[int]:
+        for chunk in list(self._chunks.values()):
+            yield from chunk
+
+    def __setitem__(self, key: int, value: V) -> None:
+        """Insert ``key`` (a new key must exceed every key inserted before) or update it."""
+        at = key // self.CHUNK_KEYS
+        chunk = self._chunks.get(at)
+        if chunk is None:
+            chunk = self._chunks[at] = {}
+        chunk[key] = value
+
+    def __delitem__(self, key: int) -> None:
+        at = key // self.CHUNK_KEYS
+        chunk = self._chunks[at]
+        del chunk[key]
+        if not chunk:
+            del self._chunks[at]
+
+    def clear(self) -> None:
+        self._chunks.clear()
