@@ -183,7 +183,9 @@ class OffloadManager:
         return found
 
     def stats(self) -> ManagerStats:
-        """Gauges and counters, as a frozen snapshot (O(1) plus the stalled plans)."""
+        """Gauges and counters, as a frozen snapshot (O(n / 512) for the resident count, plus
+        the stalled plans).
+        """
         resident, pending = len(self._slot_of), len(self._storing)
         stalled = self.stalled_plans()
         current = [plan for plan in stalled if plan.generation == self._generation]
