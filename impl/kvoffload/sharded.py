@@ -50,6 +50,11 @@ class ShardedDict(Generic[K, V]):
     def __repr__(self) -> str:
         return f"ShardedDict({dict(self.items())!r})"
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # A copy must place each key by *its own* hash (a copied key that hashes by
+        # identity lands in another shard), so copies and pickles are rebuilt by insertion.
+        return (_sharded_dict, (self._count, list(self.items())))
+
     def shard(self, key: K) -> dict[K, V]:
         """The plain dict that holds ``key`` (or would)."""
         return self._shards[hash(key) % self._count]
@@ -100,6 +105,14 @@ class ShardedDict(Generic[K, V]):
             shard.clear()
 
 
+def _sharded_dict(count: int, items: list[tuple[K, V]]) -> ShardedDict[K, V]:
+    rebuilt: ShardedDict[K, V] = ShardedDict(0)
+    rebuilt._count = count
+    rebuilt._shards = [{} for _ in range(count)]
+    rebuilt.update(items)
+    return rebuilt
+
+
 class _Anchor:
     """The end of ``OrderedKeys``' circular list: before the first key, after the last."""
 
@@ -131,6 +144,11 @@ class OrderedKeys(Generic[K]):
 
     def __repr__(self) -> str:
         return f"OrderedKeys({list(self)!r})"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuilt by appending, for the reason of ``ShardedDict.__reduce__``: the anchor
+        # itself hashes by identity, so a copied anchor sits in another shard.
+        return (_ordered_keys, (self._count, list(self)))
 
     def __len__(self) -> int:
         return self._size
@@ -189,6 +207,13 @@ class OrderedKeys(Generic[K]):
         before, after = self._prev[at].pop(key), self._next[at].pop(key)
         self._link(before, after)
         self._size -= 1
+
+
+def _ordered_keys(count: int, keys: list[K]) -> OrderedKeys[K]:
+    rebuilt: OrderedKeys[K] = OrderedKeys(count * SHARD_ENTRIES)
+    for key in keys:
+        rebuilt.append(key)
+    return rebuilt
 
 
 class AscendingDict(MutableMapping[int, V]):
