@@ -23,14 +23,23 @@ from kvoffload_spec.surface import Key
 class WalkEveryBlockLru(LruPolicy):
     """LRU whose victim search costs O(resident blocks), however few are evictable.
 
-    Recency is the insertion order of ``_stamps`` (a touch moves the key to the end), and
-    evictability a plain set, so that each step of the walk is as cheap as vLLM's
-    ``ref_cnt == 0`` test: the cost measured is the walk, not the per-step check.
+    Recency is the insertion order of a plain dict, ``_recency`` (a touch moves the key to
+    the end), and evictability a plain set, so that each step of the walk is as cheap as
+    vLLM's ``ref_cnt == 0`` test: the cost measured is the walk, not the per-step check.
     """
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
+        self._recency: dict[Key, None] = {}
         self._evictable_keys: set[Key] = set()
+
+    def insert(self, key: Key) -> None:
+        super().insert(key)
+        self._recency[key] = None
+
+    def remove(self, key: Key) -> None:
+        super().remove(key)
+        del self._recency[key]
 
     def mark_evictable(self, key: Key) -> None:
         super().mark_evictable(key)
@@ -43,23 +52,22 @@ class WalkEveryBlockLru(LruPolicy):
     def evict(self, victims: Sequence[Key]) -> None:
         super().evict(victims)
         self._evictable_keys.difference_update(victims)
+        for key in victims:
+            del self._recency[key]
 
     def clear(self) -> None:
         super().clear()
         self._evictable_keys.clear()
+        self._recency.clear()
 
     def _candidates(self, protected: Container[Key]) -> Iterator[Key]:
         evictable = self._evictable_keys
-        return (key for key in self._stamps if key in evictable and key not in protected)
+        return (key for key in self._recency if key in evictable and key not in protected)
 
     def _restamp(self, key: Key) -> None:
-        evictable = key in self._evictable
-        if evictable:
-            self._evictable.remove(key)
-        del self._stamps[key]  # re-inserted below: the dict's order stays the recency order
-        self._stamps[key] = self._tick()
-        if evictable:
-            self._evictable.add(key)
+        super()._restamp(key)
+        del self._recency[key]  # re-inserted at the end: the dict's order is the recency order
+        self._recency[key] = None
 
 
 class UnguardedManager(OffloadManager):

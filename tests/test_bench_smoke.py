@@ -159,3 +159,20 @@ def test_the_naive_manager_evicts_what_the_manager_evicts(
         assert [managers[0].lookup(k) for k in keys] == [managers[1].lookup(k) for k in keys]
     for manager in managers:
         manager.check_invariants()
+
+
+def test_the_vllm_comparison_says_why_it_measures_nothing_without_vllm() -> None:
+    # ``sys.modules["vllm"] = None`` makes ``import vllm`` fail as if it were not installed.
+    program = (
+        "import sys; sys.modules['vllm'] = None; sys.path.insert(0, sys.argv[1]); "
+        "import vllm_compare; sys.exit(vllm_compare.main(['--quick']))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program, str(BENCH)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("vllm_compare: skipped: vLLM is not importable here"), done.stdout

@@ -175,7 +175,7 @@ class CheckedManager(OffloadManager):
     def cache_state(self) -> CacheState:
         """Everything a failed call must leave as it was (counters of calls excepted)."""
         return CacheState(
-            slots=dict(self._slot_of),
+            slots=dict(self._slot_of.items()),
             storing=dict(self._storing),
             refs=tuple(self._refs),
             free=(tuple(sorted(self._freed)), self._fresh),

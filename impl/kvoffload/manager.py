@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 from kvoffload.policies.base import EvictionPolicy, PolicyContractError
 from kvoffload.policies.loading import resolve_policy
+from kvoffload.sharded import AscendingDict, ShardedDict
 from kvoffload.stats import ManagerStats, Tally
 from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, InvalidArgumentError
 from kvoffload_spec.model import SpecViolation
@@ -119,7 +120,7 @@ class OffloadManager:
         self._clock = clock
         self._num_blocks = num_blocks
         self._policy = policy_class(num_blocks)
-        self._slot_of: dict[Key, int] = {}  # every resident key
+        self._slot_of: ShardedDict[Key, int] = ShardedDict(num_blocks)  # every resident key
         self._storing: dict[Key, int] = {}  # pending key -> id of the plan storing it
         self._refs = _zeros(num_blocks)  # by slot: loads reading that block
         # The free slots are the heap ``_freed`` plus every slot from ``_fresh`` up: all of
@@ -129,8 +130,8 @@ class OffloadManager:
         self._num_evictable = 0
         self._offers: OrderedDict[Key, int] = OrderedDict()  # least recently offered first
         self._events: list[Event] | None = [] if events_on else None
-        self._open_plans: dict[int, StorePlan | LoadPlan] = {}
-        self._opened_at: dict[int, float] = {}  # open plan id -> clock when it was made
+        self._open_plans: AscendingDict[StorePlan | LoadPlan] = AscendingDict()
+        self._opened_at: AscendingDict[float] = AscendingDict()  # open plan id -> its clock
         # abandoned plan id -> the slots its store job may still write (quarantined)
         self._abandoned: dict[int, tuple[int, ...]] = {}
         self._next_plan_id = 0
@@ -182,7 +183,9 @@ class OffloadManager:
         return found
 
     def stats(self) -> ManagerStats:
-        """Gauges and counters, as a frozen snapshot (O(1) plus the stalled plans)."""
+        """Gauges and counters, as a frozen snapshot (O(n / 512) for the resident count, plus
+        the stalled plans).
+        """
         resident, pending = len(self._slot_of), len(self._storing)
         stalled = self.stalled_plans()
         current = [plan for plan in stalled if plan.generation == self._generation]
@@ -315,7 +318,7 @@ class OffloadManager:
                 slots.append(self._slot_of.pop(key))
                 self._policy.remove(key)
             self._abandoned[plan.plan_id] = tuple(slots)
-            self._emit(BlocksRemoved(tuple(dropped), RemovalReason.STORE_FAILED))
+            self._emit(dropped, RemovalReason.STORE_FAILED)
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark ``keys`` recently used; the first key ends up the most recent."""
@@ -326,7 +329,7 @@ class OffloadManager:
         if self._events is not None:
             ready = [key for key in self._slot_of if key not in self._storing]
             ready.sort(key=self._slot_of.__getitem__)
-            self._emit(BlocksRemoved(tuple(ready), RemovalReason.RESET))
+            self._emit(ready, RemovalReason.RESET)
         self._slot_of.clear()
         self._storing.clear()
         self._refs = _zeros(self._num_blocks)
@@ -416,7 +419,7 @@ class OffloadManager:
         self._num_evictable -= len(victims)
         self._policy.evict(victims)
         self._tally.evictions += len(victims)
-        self._emit(BlocksRemoved(tuple(victims), RemovalReason.EVICTED))
+        self._emit(victims, RemovalReason.EVICTED)
 
     def _place(self, candidates: list[Key], plan_id: int) -> tuple[int, ...]:
         """Make ``candidates`` pending in the lowest free slots, in call order."""
@@ -440,14 +443,14 @@ class OffloadManager:
             self._policy.mark_evictable(key)
         self._num_evictable += len(keys)
         self._tally.blocks_stored += len(keys)
-        self._emit(BlocksStored(tuple(keys)))
+        self._emit(keys)
 
     def _drop_failed(self, keys: list[Key]) -> None:
         for key in keys:
             heapq.heappush(self._freed, self._slot_of.pop(key))
             self._policy.remove(key)
         self._tally.failed_stores += len(keys)
-        self._emit(BlocksRemoved(tuple(keys), RemovalReason.STORE_FAILED))
+        self._emit(keys, RemovalReason.STORE_FAILED)
 
     def _pin(self, key: Key) -> int:
         slot = self._slot_of[key]
@@ -485,8 +488,14 @@ class OffloadManager:
         if found is Lookup.PENDING:
             raise BlockPendingError(f"cannot load {key!r}: its store has not completed yet")
 
-    def _emit(self, event: Event) -> None:
-        if self._events is not None and event.keys:
+    def _emit(self, keys: list[Key], reason: RemovalReason | None = None) -> None:
+        """Record that ``keys`` were stored (no ``reason``) or removed for ``reason``; the
+        event is only built when events are on (the hot path pays nothing otherwise).
+        """
+        if self._events is not None and keys:
+            event = (
+                BlocksStored(tuple(keys)) if reason is None else BlocksRemoved(tuple(keys), reason)
+            )
             self._events.append(event)
 
     def _open(self, plan: PlanT) -> PlanT:
@@ -496,13 +505,17 @@ class OffloadManager:
         return plan
 
     def _close(self, plan: object, kind: type[PlanT]) -> PlanT:
-        checked = check_open_plan(
-            plan,
-            kind,
-            owner=self._owner,
-            open_plans=self._open_plans,
-            issued=self._next_plan_id,
-        )
+        checked: PlanT
+        if type(plan) is kind and self._open_plans.get(plan.plan_id) is plan:
+            checked = plan  # the very plan object this manager issued: nothing to check
+        else:
+            checked = check_open_plan(
+                plan,
+                kind,
+                owner=self._owner,
+                open_plans=self._open_plans,
+                issued=self._next_plan_id,
+            )
         del self._open_plans[checked.plan_id]
         del self._opened_at[checked.plan_id]
         return checked
@@ -529,7 +542,7 @@ class OffloadManager:
         problems += self._plan_violations()
         policy = self._policy
         order = policy.resident()
-        if len(order) != len(self._slot_of) or set(order) != self._slot_of.keys():
+        if len(order) != len(self._slot_of) or set(order) != set(self._slot_of):
             problems.append(f"policy order {order} does not hold exactly the resident keys")
         else:
             problems += policy.check_invariants(self._is_evictable)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.recency import stamp_ordered, unprotected
+from kvoffload.sharded import OrderedKeys, ShardedDict
 from kvoffload_spec.surface import Key
 
 _END: Any = object()  # no candidate left in a list
@@ -24,7 +24,8 @@ class ArcPolicy(EvictionPolicy):
 
     Each resident key has a code ``2 * stamp + (1 if in T2)``; the evictable keys of each
     list are kept sorted by code, and the list sizes are counters, so choosing k victims
-    costs O(k log n) however many blocks are pinned. Ghosts are insertion-ordered dicts.
+    costs O(k log n) however many blocks are pinned. Ghosts are insertion-ordered sets. The
+    tables are sharded (``kvoffload.sharded``) so that no call pauses to rebuild one.
     """
 
     touch_counts_reuse = True
@@ -33,21 +34,21 @@ class ArcPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._codes: dict[Key, int] = {}
+        self._codes: ShardedDict[Key, int] = ShardedDict(capacity)
         self._t1 = stamp_ordered(self._codes)  # the evictable keys of T1
         self._t2 = stamp_ordered(self._codes)  # the evictable keys of T2
         self._t1_size = 0
         self._t2_size = 0
-        self._b1: OrderedDict[Key, None] = OrderedDict()
-        self._b2: OrderedDict[Key, None] = OrderedDict()
+        self._b1: OrderedKeys[Key] = OrderedKeys(capacity)
+        self._b2: OrderedKeys[Key] = OrderedKeys(capacity)
         self.p: float = 0.0
         self._clock = 0
 
     def insert(self, key: Key) -> None:
         self._codes[key] = self._code(in_t2=False)
         self._t1_size += 1
-        self._b1.pop(key, None)
-        self._b2.pop(key, None)
+        self._b1.discard(key)
+        self._b2.discard(key)
 
     def remove(self, key: Key) -> None:
         if self._codes.pop(key) & 1:
@@ -100,10 +101,10 @@ class ArcPolicy(EvictionPolicy):
             self._run_of(key).remove(key)
             if self._codes.pop(key) & 1:
                 self._t2_size -= 1
-                self._b2[key] = None
+                self._b2.append(key)
             else:
                 self._t1_size -= 1
-                self._b1[key] = None
+                self._b1.append(key)
             self._trim(self._b1)
             self._trim(self._b2)
 
@@ -185,9 +186,9 @@ class ArcPolicy(EvictionPolicy):
     def _run_of(self, key: Key) -> Any:
         return self._t2 if self._codes[key] & 1 else self._t1
 
-    def _trim(self, ghosts: OrderedDict[Key, None]) -> None:
+    def _trim(self, ghosts: OrderedKeys[Key]) -> None:
         while len(ghosts) > self.capacity:
-            ghosts.popitem(last=False)
+            ghosts.pop_oldest()
 
     def _code(self, *, in_t2: bool) -> int:
         self._clock += 1

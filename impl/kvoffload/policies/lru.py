@@ -7,6 +7,7 @@ from collections.abc import Callable, Container, Iterator, Sequence
 
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.recency import stamp_ordered, unprotected
+from kvoffload.sharded import ShardedDict
 from kvoffload_spec.surface import Key
 
 
@@ -21,7 +22,7 @@ class LruPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._stamps: dict[Key, int] = {}
+        self._stamps: ShardedDict[Key, int] = ShardedDict(capacity)
         self._evictable = stamp_ordered(self._stamps)
         self._clock = 0
 

@@ -11,22 +11,24 @@ never changes recency.
 from __future__ import annotations
 
 import functools
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Mapping
 from typing import Any
 
 from sortedcontainers import SortedKeyList
 
+from kvoffload.sharded import ShardedDict
 from kvoffload_spec.surface import Key
 
 
-def stamp_ordered(stamps: dict[Key, int]) -> Any:
+def stamp_ordered(stamps: Mapping[Key, int] | ShardedDict[Key, int]) -> Any:
     """An empty sorted list of keys ordered by ``stamps[key]`` (which must be unique).
 
-    The sort key is a ``partial`` of ``dict.__getitem__`` rather than a bound method, because
-    ``copy.deepcopy`` copies a partial's arguments through its memo: the clone's list then
-    reads the clone's stamps, not the original's.
+    The sort key is a ``partial`` of the class's ``__getitem__`` rather than a bound method,
+    because ``copy.deepcopy`` copies a partial's arguments through its memo: the clone's list
+    then reads the clone's stamps, not the original's.
     """
-    return SortedKeyList(key=functools.partial(dict.__getitem__, stamps))
+    lookup: Any = type(stamps).__getitem__
+    return SortedKeyList(key=functools.partial(lookup, stamps))
 
 
 def unprotected(ordered: Any, protected: Container[Key]) -> Iterator[Key]:

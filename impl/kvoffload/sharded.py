@@ -1,0 +1,278 @@
+"""Key-indexed tables that never pause: large dicts split into many small ones by hash.
+
+A CPython dict rebuilds its whole hash table, in O(entries), in the insertion that finds it
+out of room, and deletions use that room up as insertions do. A table that churns (a
+key in for every key out, as a full block pool does on every store) therefore stops for
+tens of milliseconds at a million entries, over and over. Split into shards of at most a
+few hundred entries each, the same work comes in pieces of a few microseconds, at the
+same amortized cost and the same memory per entry.
+
+``ShardedDict`` is that split dict; its iteration order is arbitrary (callers that need
+an order sort). ``OrderedKeys`` is an insertion-ordered set (what an ``OrderedDict`` of keys
+to None is used for) kept as a doubly linked list in shards, so that its appends, removals
+and pops from the front are O(1) in the worst case too. ``AscendingDict`` holds int keys
+that arrive in increasing order (plan ids) in chunks of consecutive keys, iterated in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, MutableMapping
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+SHARD_ENTRIES = 512  # a rebuild of a dict this size takes a few microseconds
+
+
+def shard_count(expected_entries: int) -> int:
+    """How many shards hold ``expected_entries`` at about ``SHARD_ENTRIES`` each: an odd
+    number, so that keys which are multiples of a power of two still spread evenly.
+    """
+    return (expected_entries // SHARD_ENTRIES) | 1
+
+
+class ShardedDict(Generic[K, V]):
+    """A dict split by ``hash(key)`` into ``shard_count(expected_entries)`` plain dicts.
+
+    The subset of the dict interface the manager and its policies use. Sized for
+    ``expected_entries``, it holds any number, only with larger shards. ``len`` sums the
+    shards' sizes (O(shards): about 2,000 at a million entries): keeping a count instead
+    would cost every insertion a second lookup, and the hot paths never ask.
+    """
+
+    __slots__ = ("_count", "_shards")
+
+    def __init__(self, expected_entries: int) -> None:
+        self._count = shard_count(expected_entries)
+        self._shards: list[dict[K, V]] = [{} for _ in range(self._count)]
+
+    def __repr__(self) -> str:
+        return f"ShardedDict({dict(self.items())!r})"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # A copy must place each key by *its own* hash (a copied key that hashes by
+        # identity lands in another shard), so copies and pickles are rebuilt by insertion.
+        return (_sharded_dict, (self._count, list(self.items())))
+
+    def shard(self, key: K) -> dict[K, V]:
+        """The plain dict that holds ``key`` (or would)."""
+        return self._shards[hash(key) % self._count]
+
+    def __len__(self) -> int:
+        return sum(len(shard) for shard in self._shards)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._shards[hash(key) % self._count]
+
+    def __getitem__(self, key: K) -> V:
+        return self._shards[hash(key) % self._count][key]
+
+    def __setitem__(self, key: K, value: V) -> None:
+        self._shards[hash(key) % self._count][key] = value
+
+    def __delitem__(self, key: K) -> None:
+        del self._shards[hash(key) % self._count][key]
+
+    def get(self, key: K, default: V | None = None) -> V | None:
+        return self._shards[hash(key) % self._count].get(key, default)
+
+    def pop(self, key: K) -> V:
+        """Remove ``key`` and return its value; KeyError if absent."""
+        return self._shards[hash(key) % self._count].pop(key)
+
+    def __iter__(self) -> Iterator[K]:
+        for shard in self._shards:
+            yield from shard
+
+    def keys(self) -> Iterator[K]:
+        return iter(self)
+
+    def values(self) -> Iterator[V]:
+        for shard in self._shards:
+            yield from shard.values()
+
+    def items(self) -> Iterator[tuple[K, V]]:
+        for shard in self._shards:
+            yield from shard.items()
+
+    def update(self, pairs: Iterable[tuple[K, V]]) -> None:
+        for key, value in pairs:
+            self[key] = value
+
+    def clear(self) -> None:
+        for shard in self._shards:
+            shard.clear()
+
+
+def _sharded_dict(count: int, items: list[tuple[K, V]]) -> ShardedDict[K, V]:
+    rebuilt: ShardedDict[K, V] = ShardedDict(0)
+    rebuilt._count = count
+    rebuilt._shards = [{} for _ in range(count)]
+    rebuilt.update(items)
+    return rebuilt
+
+
+class _Anchor:
+    """The end of ``OrderedKeys``' circular list: before the first key, after the last."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<anchor>"
+
+
+class OrderedKeys(Generic[K]):
+    """An insertion-ordered set of keys, oldest first: appends at the end, removals
+    anywhere, pops from the front, all O(1) with no pause.
+
+    A circular doubly linked list closed by an anchor: key -> the next key and key -> the
+    previous key, in two lists of shards that split keys alike (a key's links are in shard
+    ``hash(key) % count`` of each). The shards are addressed directly rather than through
+    two ``ShardedDict`` objects: each operation then costs a handful of plain dict operations.
+    """
+
+    __slots__ = ("_anchor", "_count", "_next", "_prev", "_size")
+
+    def __init__(self, expected_entries: int) -> None:
+        self._count = shard_count(expected_entries)
+        self._next: list[dict[object, object]] = [{} for _ in range(self._count)]
+        self._prev: list[dict[object, object]] = [{} for _ in range(self._count)]
+        self._anchor = _Anchor()
+        self._size = 0
+        self._link(self._anchor, self._anchor)
+
+    def __repr__(self) -> str:
+        return f"OrderedKeys({list(self)!r})"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuilt by appending, for the reason of ``ShardedDict.__reduce__``: the anchor
+        # itself hashes by identity, so a copied anchor sits in another shard.
+        return (_ordered_keys, (self._count, list(self)))
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._next[hash(key) % self._count]
+
+    def __iter__(self) -> Iterator[K]:
+        anchor, nexts, count = self._anchor, self._next, self._count
+        key = nexts[hash(anchor) % count][anchor]
+        while key is not anchor:
+            yield key  # type: ignore[misc]
+            key = nexts[hash(key) % count][key]
+
+    def append(self, key: K) -> None:
+        """Add ``key`` as the newest; it must not be present."""
+        anchor = self._anchor
+        last = self._prev[hash(anchor) % self._count][anchor]
+        self._link(last, key)
+        self._link(key, anchor)
+        self._size += 1
+
+    def discard(self, key: K) -> bool:
+        """Remove ``key`` if present; whether it was."""
+        if key not in self._next[hash(key) % self._count]:
+            return False
+        self._unlink(key)
+        return True
+
+    def move_to_end(self, key: K) -> None:
+        """Make the present ``key`` the newest."""
+        self._unlink(key)
+        self.append(key)
+
+    def pop_oldest(self) -> K:
+        """Remove and return the oldest key; KeyError when empty."""
+        if not self._size:
+            raise KeyError("pop_oldest from empty OrderedKeys")
+        anchor = self._anchor
+        oldest: K = self._next[hash(anchor) % self._count][anchor]  # type: ignore[assignment]
+        self._unlink(oldest)
+        return oldest
+
+    def clear(self) -> None:
+        for shard in self._next + self._prev:
+            shard.clear()
+        self._size = 0
+        self._link(self._anchor, self._anchor)
+
+    def _link(self, before: object, after: object) -> None:
+        self._next[hash(before) % self._count][before] = after
+        self._prev[hash(after) % self._count][after] = before
+
+    def _unlink(self, key: object) -> None:
+        at = hash(key) % self._count
+        before, after = self._prev[at].pop(key), self._next[at].pop(key)
+        self._link(before, after)
+        self._size -= 1
+
+
+def _ordered_keys(count: int, keys: list[K]) -> OrderedKeys[K]:
+    rebuilt: OrderedKeys[K] = OrderedKeys(count * SHARD_ENTRIES)
+    for key in keys:
+        rebuilt.append(key)
+    return rebuilt
+
+
+class AscendingDict(MutableMapping[int, V]):
+    """A dict of int keys inserted in increasing order (plan ids), iterated in key order,
+    and split into chunks of ``CHUNK_KEYS`` consecutive keys so that no table is large.
+
+    Keys arrive in increasing order and leave in any order: the chunks are created in key
+    order (a plain dict of chunks keeps that order) and each chunk's entries are in key
+    order too. A chunk is dropped when its last key leaves, so the dict of chunks holds one
+    entry per chunk with a key still present, and changes once per ``CHUNK_KEYS`` keys.
+    """
+
+    __slots__ = ("_chunks",)
+
+    CHUNK_KEYS = 1_024
+
+    def __init__(self) -> None:
+        self._chunks: dict[int, dict[int, V]] = {}
+
+    def __repr__(self) -> str:
+        return f"AscendingDict({dict(self.items())!r})"
+
+    def __len__(self) -> int:
+        return sum(len(chunk) for chunk in self._chunks.values())
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, int):
+            return False
+        chunk = self._chunks.get(key // self.CHUNK_KEYS)
+        return chunk is not None and key in chunk
+
+    def __getitem__(self, key: int) -> V:
+        chunk = self._chunks.get(key // self.CHUNK_KEYS)
+        if chunk is None:
+            raise KeyError(key)
+        return chunk[key]
+
+    def get(self, key: int, default: V | None = None) -> V | None:  # type: ignore[override]
+        chunk = self._chunks.get(key // self.CHUNK_KEYS)
+        return default if chunk is None else chunk.get(key, default)
+
+    def __iter__(self) -> Iterator[int]:
+        for chunk in list(self._chunks.values()):
+            yield from chunk
+
+    def __setitem__(self, key: int, value: V) -> None:
+        """Insert ``key`` (a new key must exceed every key inserted before) or update it."""
+        at = key // self.CHUNK_KEYS
+        chunk = self._chunks.get(at)
+        if chunk is None:
+            chunk = self._chunks[at] = {}
+        chunk[key] = value
+
+    def __delitem__(self, key: int) -> None:
+        at = key // self.CHUNK_KEYS
+        chunk = self._chunks[at]
+        del chunk[key]
+        if not chunk:
+            del self._chunks[at]
+
+    def clear(self) -> None:
+        self._chunks.clear()
