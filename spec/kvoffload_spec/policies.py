@@ -319,8 +319,9 @@ class DuelOrder:
 
     LRU wins when the pool holds the workload's reuse distances, LRU-2 (used-once keys
     first, then by the second most recent use) when it does not: one-shot blocks then flush
-    everything under LRU. Two shadows, keys-only pools of the same capacity under each
-    order, replay every touched request and score the prefix hits they would have served;
+    everything under LRU. Two shadows, keys-only pools under each order that see a sample
+    of the keys (``ShadowPool``), replay every touched request and score the prefix hits
+    they would have served;
     the real pool evicts in the order of the shadow with the higher score (LRU on a tie).
     Only ``touch`` feeds the shadows: it names a request's keys in order, which is what a
     prefix hit needs. Recency (both orders) comes from insertion and ``touch`` alone.

@@ -13,10 +13,16 @@ with the higher score; scores decay, so the choice follows the workload as it ch
 
 See the spec's ``DuelOrder`` (``kvoffload_spec.policies``) for the rules written plainly.
 
+The shadows are sampled (SHARDS): each simulates only the keys whose ``stable_hash`` is 0
+modulo ``sample_rate(capacity)``, in a pool of ``capacity // rate`` blocks, so that they
+cost a thirty-second of the pool at most sizes while pools under 2,048 blocks are
+simulated whole.
+
 Costs: every operation is O(k log n) for k keys (the shadows' included), and finding
-victims walks only evictable keys. Memory: per resident key two stamps and two sorted-list
-entries; per shadow at most ``capacity`` keys, and LRU-2's history of at most
-``HISTORY * capacity`` evicted keys' last uses (bounded, like ARC's ghosts).
+victims walks only evictable keys. Memory: per resident key a code and two sorted-list
+entries; per shadow at most ``capacity // rate`` keys, and LRU-2's histories of at most
+``HISTORY`` times their pool's capacity evicted keys' last uses (bounded, like ARC's
+ghosts).
 """
 
 from __future__ import annotations
