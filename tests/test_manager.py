@@ -489,3 +489,62 @@ def test_slots_are_reused_lowest_first() -> None:
     failing = manager.prepare_store([])
     assert failing is not None and failing.keys == () and failing.block_ids == ()
     assert list(itertools.islice(iter(manager.policy.resident()), 2)) == ["c", "d"]
+
+
+# -- duel's sampled shadows ------------------------------------------------------------------
+
+
+def test_duel_samples_keys_by_a_stable_hash() -> None:
+    from kvoffload.policies.duel import sample_rate, stable_hash
+    from kvoffload_spec.policies import duel_sample_rate, sample_hash
+
+    keys: list[Key] = [0, 1, -5, 2**70, "a", "é\udc80", b"", b"\xffabc", ("t", 1), True]
+    assert [stable_hash(key) for key in keys] == [sample_hash(key) for key in keys]
+    assert sample_hash("a") == 0xE8B7BE43 and sample_hash(b"a") == 0xE8B7BE43  # crc32
+    assert sample_hash(1) == 0x9E3779B9
+    sizes = [1, 3, 1024, 2047, 2048, 4095, 4096, 8000, 64_000, 10**6]
+    assert [sample_rate(n) for n in sizes] == [duel_sample_rate(n) for n in sizes]
+    assert [duel_sample_rate(n) for n in sizes] == [1, 1, 1, 1, 2, 2, 4, 4, 32, 32]
+
+
+def outside(protected: set[Key]) -> Callable[[Key], bool]:
+    return lambda key: key not in protected
+
+
+def test_sampled_duel_matches_the_spec() -> None:
+    import random
+
+    from kvoffload.policies.duel import DuelPolicy
+    from kvoffload_spec.policies import DuelOrder
+
+    capacity = 2048  # shadows sample one key in two
+    policy, order = DuelPolicy(capacity), DuelOrder.empty(capacity)
+    rng = random.Random(11)
+    makers: list[Callable[[int, int], Key]] = [
+        lambda root, i: root * 1000 + i,
+        lambda root, i: f"{root}/{i}",
+        lambda root, i: b"%d:%d" % (root, i),
+    ]
+    for step in range(400):
+        root = rng.randrange(60)
+        keys = [makers[root % 3](root, i) for i in range(rng.randrange(1, 60))]
+        absent = [key for key in keys if key not in order.uses.last]
+        need = len(absent) - (capacity - len(order.uses.last))
+        if need > 0:
+            protected = set(keys)
+            victims = policy.choose_victims(need, protected)
+            assert victims == order.choose_victims(need, outside(protected))
+            assert victims is not None
+            policy.evict(victims)
+            for key in victims:
+                order.evicted(key)
+        for key in absent:
+            policy.insert(key)
+            policy.mark_evictable(key)
+            order.insert(key)
+        policy.touch(keys, lambda key: True)
+        order.touch(keys, lambda key: True)
+        if step % 50 == 49:
+            assert policy.snapshot() == order.snapshot()
+    assert policy.follows_reuse == order.follows_reuse
+    assert all(0 < len(shadow.uses.last) <= capacity // 2 for shadow in order.shadows)

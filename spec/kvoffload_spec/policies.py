@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from zlib import crc32
 
 from kvoffload_spec.surface import Key
 
@@ -181,6 +182,38 @@ score weighs about the last thousand requests."""
 DUEL_HISTORY = 4
 """LRU-2 remembers the last use of up to this many times ``capacity`` evicted keys."""
 
+DUEL_SAMPLE = 32
+"""A shadow simulates at most one key in this many (the sample rate's upper bound)."""
+
+DUEL_SAMPLE_MIN = 1024
+"""A shadow simulates at least this many blocks: a pool under twice this is not sampled."""
+
+
+def duel_sample_rate(capacity: int) -> int:
+    """How sparsely the shadows of a ``capacity``-block pool sample the keys: the largest
+    power of two at most ``DUEL_SAMPLE`` that leaves them ``DUEL_SAMPLE_MIN`` blocks."""
+    rate = 1
+    while rate < DUEL_SAMPLE and capacity // (2 * rate) >= DUEL_SAMPLE_MIN:
+        rate *= 2
+    return rate
+
+
+def sample_hash(key: Key) -> int:
+    """A hash of ``key`` that every run agrees on (Python's ``hash`` salts str and bytes):
+    Fibonacci hashing for ints, CRC-32 of the bytes, of a str's UTF-8, else of its repr."""
+    if isinstance(key, int):
+        return (key * 0x9E3779B97F4A7C15) % 2**64 // 2**32
+    if isinstance(key, bytes):
+        return crc32(key)
+    if isinstance(key, str):
+        return crc32(key.encode("utf-8", "surrogatepass"))
+    return crc32(repr(key).encode("utf-8", "backslashreplace"))
+
+
+def in_sample(key: Key, rate: int) -> bool:
+    """Whether a shadow sampling one key in ``rate`` simulates ``key``."""
+    return sample_hash(key) % rate == 0
+
 
 @dataclass
 class Lru2Uses:
@@ -234,15 +267,21 @@ class ShadowPool:
     by the touched requests as an engine drives a pool: a request's hits are its longest
     resident prefix, then its absent keys are stored (evicting keys outside the request;
     none if they cannot fit), then it is touched (the first key ends most recent; a key
-    just stored is not reused). ``score`` is the decayed count of its hits."""
+    just stored is not reused). ``score`` is the decayed count of its hits.
+
+    A sampled shadow (``rate`` above 1) sees only the keys ``in_sample`` picks, about one in
+    ``rate``, in a pool of ``capacity`` (the real one's divided by ``rate``): a sample of
+    the keys sees about the same hit ratio as all of them (SHARDS, Waldspurger et al.)."""
 
     capacity: int
     reuse: bool
     uses: Lru2Uses
+    rate: int = 1
     clock: int = 0
     score: float = 0.0
 
     def replay(self, keys: Sequence[Key]) -> None:
+        keys = [key for key in keys if in_sample(key, self.rate)]
         resident = self.uses.last
         hits = 0
         while hits < len(keys) and keys[hits] in resident:
@@ -270,7 +309,8 @@ class ShadowPool:
         self.score = 0.0
 
     def copy(self) -> ShadowPool:
-        return ShadowPool(self.capacity, self.reuse, self.uses.copy(), self.clock, self.score)
+        uses = self.uses.copy()
+        return ShadowPool(self.capacity, self.reuse, uses, self.rate, self.clock, self.score)
 
 
 @dataclass
@@ -279,8 +319,9 @@ class DuelOrder:
 
     LRU wins when the pool holds the workload's reuse distances, LRU-2 (used-once keys
     first, then by the second most recent use) when it does not: one-shot blocks then flush
-    everything under LRU. Two shadows, keys-only pools of the same capacity under each
-    order, replay every touched request and score the prefix hits they would have served;
+    everything under LRU. Two shadows, keys-only pools under each order that see a sample
+    of the keys (``ShadowPool``), replay every touched request and score the prefix hits
+    they would have served;
     the real pool evicts in the order of the shadow with the higher score (LRU on a tie).
     Only ``touch`` feeds the shadows: it names a request's keys in order, which is what a
     prefix hit needs. Recency (both orders) comes from insertion and ``touch`` alone.
@@ -293,11 +334,12 @@ class DuelOrder:
 
     @staticmethod
     def empty(capacity: int) -> DuelOrder:
-        history = DUEL_HISTORY * capacity
+        rate = duel_sample_rate(capacity)
+        size = capacity // rate
         # LRU never reads a second use: its shadow keeps no history.
-        lru = ShadowPool(capacity, reuse=False, uses=Lru2Uses(0))
-        lru2 = ShadowPool(capacity, reuse=True, uses=Lru2Uses(history))
-        return DuelOrder(capacity, Lru2Uses(history), (lru, lru2))
+        lru = ShadowPool(size, reuse=False, uses=Lru2Uses(0), rate=rate)
+        lru2 = ShadowPool(size, reuse=True, uses=Lru2Uses(DUEL_HISTORY * size), rate=rate)
+        return DuelOrder(capacity, Lru2Uses(DUEL_HISTORY * capacity), (lru, lru2))
 
     @property
     def follows_reuse(self) -> bool:

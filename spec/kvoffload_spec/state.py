@@ -29,7 +29,14 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvoffload_spec.policies import DUEL_HISTORY, ArcOrder, DuelOrder, LruOrder, PolicyOrder
+from kvoffload_spec.policies import (
+    DUEL_HISTORY,
+    ArcOrder,
+    DuelOrder,
+    LruOrder,
+    PolicyOrder,
+    in_sample,
+)
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -468,6 +475,8 @@ def _duel_violations(duel: DuelOrder) -> list[str]:
             problems.append(f"{name}'s history holds a resident key or too many: {uses!r}")
     if any(len(s.uses.last) > s.capacity or s.score < 0 for s in duel.shadows):
         problems.append(f"a shadow holds more than its capacity or scores below 0: {duel!r}")
+    if any(not in_sample(key, s.rate) for s in duel.shadows for key in s.uses.last):
+        problems.append(f"a shadow holds a key outside its sample: {duel!r}")
     return problems
 
 

@@ -13,10 +13,16 @@ with the higher score; scores decay, so the choice follows the workload as it ch
 
 See the spec's ``DuelOrder`` (``kvoffload_spec.policies``) for the rules written plainly.
 
+The shadows are sampled (SHARDS): each simulates only the keys whose ``stable_hash`` is 0
+modulo ``sample_rate(capacity)``, in a pool of ``capacity // rate`` blocks, so that they
+cost a thirty-second of the pool at most sizes while pools under 2,048 blocks are
+simulated whole.
+
 Costs: every operation is O(k log n) for k keys (the shadows' included), and finding
-victims walks only evictable keys. Memory: per resident key two stamps and two sorted-list
-entries; per shadow at most ``capacity`` keys, and LRU-2's history of at most
-``HISTORY * capacity`` evicted keys' last uses (bounded, like ARC's ghosts).
+victims walks only evictable keys. Memory: per resident key a code and two sorted-list
+entries; per shadow at most ``capacity // rate`` keys, and LRU-2's histories of at most
+``HISTORY`` times their pool's capacity evicted keys' last uses (bounded, like ARC's
+ghosts).
 """
 
 from __future__ import annotations
@@ -26,17 +32,41 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
+from zlib import crc32
 
 from sortedcontainers import SortedKeyList
 
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.recency import stamp_ordered, unprotected
-from kvoffload_spec.policies import DUEL_DECAY, DUEL_HISTORY
+from kvoffload_spec.policies import DUEL_DECAY, DUEL_HISTORY, DUEL_SAMPLE, DUEL_SAMPLE_MIN
 from kvoffload_spec.surface import Key
 
 HISTORY = DUEL_HISTORY
+_FIBONACCI = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 _LAST_BITS = 40  # stamps stay below 2**40: a trillion uses
 _LAST_MASK = (1 << _LAST_BITS) - 1
+
+
+def sample_rate(capacity: int) -> int:
+    """One key in how many the shadows simulate: a power of two up to ``DUEL_SAMPLE``, as
+    long as a shadow keeps ``DUEL_SAMPLE_MIN`` blocks (so small pools are not sampled)."""
+    rate = 1
+    while rate < DUEL_SAMPLE and capacity >= 2 * rate * DUEL_SAMPLE_MIN:
+        rate <<= 1
+    return rate
+
+
+def stable_hash(key: Key) -> int:
+    """A hash every process agrees on (``hash`` salts str and bytes): see the spec's
+    ``sample_hash``."""
+    if isinstance(key, int):
+        return (key * _FIBONACCI & _MASK64) >> 32
+    if isinstance(key, bytes):
+        return crc32(key)
+    if isinstance(key, str):
+        return crc32(key.encode("utf-8", "surrogatepass"))
+    return crc32(repr(key).encode("utf-8", "backslashreplace"))
 
 
 def reuse_code(penult: int, last: int) -> int:
@@ -97,13 +127,14 @@ class _Shadow:
     """A keys-only pool of ``capacity`` blocks under LRU (``reuse=False``) or LRU-2, driven
     by the touched requests as an engine drives the real pool, scoring its prefix hits."""
 
-    __slots__ = ("capacity", "clock", "order", "reuse", "score", "stamps")
+    __slots__ = ("capacity", "clock", "mask", "order", "reuse", "score", "stamps")
 
-    def __init__(self, capacity: int, *, reuse: bool) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int, *, reuse: bool, rate: int = 1) -> None:
+        self.capacity = capacity // rate
+        self.mask = rate - 1  # a power of two: in the sample when the hash's low bits are 0
         self.reuse = reuse
         # LRU never reads a second use: its shadow keeps no history.
-        self.stamps = _Lru2Stamps(HISTORY * capacity if reuse else 0)
+        self.stamps = _Lru2Stamps(HISTORY * self.capacity if reuse else 0)
         codes = self.stamps.codes
         by = functools.partial(dict.__getitem__, codes) if reuse else _LastUse(codes)
         self.order = SortedKeyList(key=by)
@@ -111,6 +142,9 @@ class _Shadow:
         self.clock = 0
 
     def replay(self, keys: Sequence[Key]) -> None:
+        if self.mask:
+            mask = self.mask
+            keys = [key for key in keys if not stable_hash(key) & mask]
         resident = self.stamps.codes
         hits = sum(1 for _ in itertools.takewhile(resident.__contains__, keys))
         self.score = self.score * DUEL_DECAY + hits
@@ -156,7 +190,11 @@ class DuelPolicy(EvictionPolicy):
         self._stamps = _Lru2Stamps(HISTORY * capacity)
         self._by_recency = SortedKeyList(key=_LastUse(self._stamps.codes))
         self._by_reuse = stamp_ordered(self._stamps.codes)
-        self._shadows = (_Shadow(capacity, reuse=False), _Shadow(capacity, reuse=True))
+        rate = sample_rate(capacity)
+        self._shadows = (
+            _Shadow(capacity, reuse=False, rate=rate),
+            _Shadow(capacity, reuse=True, rate=rate),
+        )
         self._clock = 0
 
     @property
