@@ -183,6 +183,8 @@ class DuelPolicy(EvictionPolicy):
     list, so choosing k victims costs O(k log n) however many blocks are pinned or pending.
     """
 
+    touch_counts_reuse = True  # a touch of a ready key is its second use in LRU-2 order
+
     __slots__ = ("_by_recency", "_by_reuse", "_clock", "_shadows", "_stamps")
 
     def __init__(self, capacity: int) -> None:
