@@ -41,6 +41,8 @@ from kvoffload_spec.surface import LoadPlan, StorePlan
 from tests.progress import progress
 from tests.spec_variants import CONTRACTS_SOURCE, VARIANTS, Variant
 
+pytestmark = pytest.mark.slow  # minutes of CrossHair: the full gate, not the inner loop
+
 ROOT = Path(__file__).resolve().parent.parent
 CLASSES = ("LruContracts", "ArcContracts", "DuelContracts")
 SPEC_TIMEOUT = 4.0  # CPU seconds per target (a probe found 5 enough for 10 targets)

@@ -33,6 +33,8 @@ from kvoffload_spec.validation import check_flag
 from tests.progress import progress
 from tests.test_crosshair import Run, crosshair_all
 
+pytestmark = pytest.mark.slow  # minutes of CrossHair: the full gate, not the inner loop
+
 SECONDS_PER_TARGET = 3.0  # CPU seconds of search per check
 SECONDS_TO_FIND = 40.0  # a canary or a planted bug is found within a few
 LAST_POSTCONDITION = "    assert manager.invariants_hold()\n\n\n"

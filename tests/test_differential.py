@@ -41,6 +41,7 @@ def managers(policy: str | type[EvictionPolicy]) -> ManagerFactory:
 EXAMPLES = max(settings().max_examples, 1_000)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 def test_manager_matches_the_spec(policy: str) -> None:
     check_conformance(managers(policy), policy=policy, max_examples=EXAMPLES)
@@ -86,6 +87,7 @@ class MostRecentFirst(EvictionPolicy):
         return list(self.order)
 
 
+@pytest.mark.slow
 def test_a_user_policy_conforms() -> None:
     check_conformance(managers(MostRecentFirst), policy=None, max_examples=EXAMPLES)
 
@@ -243,6 +245,7 @@ CAUGHT_BY_DIRECTED = (
 FIND_ONLY = settings(settings(), phases=(Phase.generate,), database=None, max_examples=10_000)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", PLANTED)
 def test_a_planted_bug_is_found(bug: str) -> None:
     make_manager, policy = PLANTED[bug]

@@ -30,6 +30,8 @@ from kvoffload_spec.explore import (
 from kvoffload_spec.surface import Event, Key
 from tests.spec_variants import VARIANTS
 
+pytestmark = pytest.mark.slow  # exhaustive exploration at the gate's bounds
+
 
 @dataclass(frozen=True)
 class Bounds:

@@ -501,6 +501,7 @@ PLANTED = {
 FIND_ONLY = settings(settings(), phases=(Phase.generate,), database=None, max_examples=10_000)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", PLANTED)
 def test_the_conformance_kit_finds_a_planted_abandon_bug(bug: str) -> None:
     make = functools.partial(PLANTED[bug], policy="lru")
@@ -726,4 +727,4 @@ class FaultyOffloader(RuleBasedStateMachine):
             self.rig.close()
 
 
-TestFaultyOffloader = FaultyOffloader.TestCase
+TestFaultyOffloader = pytest.mark.slow(FaultyOffloader.TestCase)

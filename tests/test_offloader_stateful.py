@@ -36,6 +36,8 @@ from kvoffload_spec.policies import ArcOrder
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
 from tests.test_layout import CUDA, DTYPES, KINDS, make_cache, reference_block
 
+pytestmark = pytest.mark.slow  # an end-to-end machine over real tensors
+
 KEYS = range(6)
 keys_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=3)
 # a copy fails at run 0..5 of its job about once in four jobs

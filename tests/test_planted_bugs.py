@@ -12,6 +12,8 @@ import pytest
 from kvoffload_spec.explore import CHECKS, Report, explore
 from tests.spec_variants import VARIANTS, Variant
 
+pytestmark = pytest.mark.slow  # each planted bug is a whole exploration
+
 BY_NAME = {variant.name: variant for variant in VARIANTS}
 SHORT = 6  # calls: every planted bug shows within this many
 

@@ -74,7 +74,7 @@ def pages(first: int, count: int) -> torch.Tensor:
     return torch.arange(first * PAGE, (first + count) * PAGE)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 def test_set_exists_get_byte_exact_with_an_eviction(policy: str) -> None:
     storage, host = backend(num_pages=3, policy=policy)
     assert isinstance(storage, KvoffloadHiCacheStorage)

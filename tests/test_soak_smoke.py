@@ -15,6 +15,8 @@ import pytest
 
 from tests.test_faults import AbandonFreesAtOnce
 
+pytestmark = pytest.mark.slow  # a quick soak is still half a minute
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 LEAK_MIB = 1.0  # a leak of 10 bytes per operation would show as 0.8 MiB after the warm-up
 

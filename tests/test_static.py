@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -24,5 +26,6 @@ def test_ruff_format() -> None:
     _run("ruff", "format", "--check", ".")
 
 
+@pytest.mark.slow
 def test_mypy_strict() -> None:
     _run("mypy", "--config-file", "mypy.ini")

@@ -192,7 +192,7 @@ class Engine:
 # vLLM's own CPU worker runs only on CUDA (its get_worker refuses other platforms), so with
 # KvoffloadManagerSpec the scheduler runs that spec and the worker kvoffload's engine.
 @pytest.mark.parametrize("spec_name", ["KvoffloadSpec", "KvoffloadManagerSpec"])
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
 def test_prefix_stored_by_a_is_loaded_into_b_byte_exact(spec_name: str, policy: str) -> None:
     engine = Engine(spec_name, policy)
     prefix = [(i * 37) % 900 + 1 for i in range(4 * BLOCK_SIZE)]
