@@ -227,6 +227,27 @@ def test_random_ids_do_not_merge() -> None:
     assert len(runs) == 2 * 3
 
 
+@pytest.mark.parametrize("small_job", [0, 10**9])
+def test_adjacent_segments_of_one_storage_merge_across_layers(small_job: int) -> None:
+    tensors, block_dim = make_cache("layer_views", num_blocks=16, layers=3)
+    layout = KVLayout(tensors, block_dim)
+    mapping = BlockMapping(layout, 1, small_job=small_job)
+    random = mapping.runs(ids(5, 1, 9), ids(0, 1, 2), to_cpu=True)
+    assert len(random) == 3 and set(random.nbytes.tolist()) == {layout.bytes_per_block}
+    contiguous = mapping.runs(ids(4, 5, 6), ids(0, 1, 2), to_cpu=False)
+    assert len(contiguous) == 1 and contiguous.total_bytes == 3 * layout.bytes_per_block
+    # a CPU block of two device blocks holds each segment's sub-blocks together: no merge
+    split = BlockMapping(layout, 2, small_job=small_job).runs(ids(5, 1), ids(0), to_cpu=True)
+    assert len(split) == 2 * 3
+
+
+def test_segments_of_separate_storages_never_merge() -> None:
+    whole = torch.zeros(16, 2, 24, dtype=torch.uint8)
+    first, second = whole[:, 0].clone(), whole[:, 1].clone()  # adjacent by chance at most
+    mapping = BlockMapping(KVLayout([first, second]), 1)
+    assert len(mapping.runs(ids(3), ids(0), to_cpu=True)) == 2
+
+
 @given(case=round_trips(), to_cpu=st.booleans())
 def test_small_and_vectorized_planning_agree(case: RoundTrip, to_cpu: bool) -> None:
     tensors, block_dim = make_cache(case.kind, num_blocks=case.num_blocks, dtype=case.dtype)
