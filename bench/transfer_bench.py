@@ -1,8 +1,9 @@
 """Bandwidth of the transfer engine next to a plain ``copy_`` of the same bytes, in one run.
 
-Cases: 2 MiB cross-layer blocks (one ``[N, 2 MiB]`` tensor) and 64 KiB per-layer blocks
-(8 tensors ``[N, 64 KiB]``; a device block is 8 segments), on CUDA also 256 KiB per-layer
-blocks; stores and loads; batches of 1, 8, 64 and 512 device blocks per job; random or
+Cases: 2 MiB cross-layer blocks (one ``[N, 2 MiB]`` tensor), 64 KiB per-layer blocks
+(8 tensors ``[N, 64 KiB]``; a device block is 8 segments) and the same 64 KiB layers as
+per-layer views of one ``[N, 8, 64 KiB]`` tensor (layer-views: the engine merges a block's
+adjacent segments into one run), on CUDA also 256 KiB per-layer blocks; stores and loads; batches of 1, 8, 64 and 512 device blocks per job; random or
 contiguous block ids, on both sides. Each sample submits enough jobs to move ~16 MiB (one
 job when it is bigger) and waits for them. The engine's and the baseline's samples
 alternate (which goes first alternates too) and each figure is the median of its 16
@@ -68,6 +69,7 @@ class Case:
 
 @dataclass(frozen=True)
 class Result:
+    layout: str
     direction: Direction
     block_bytes: int
     batch: int
@@ -96,9 +98,11 @@ class Bench:
         copier: CopierName | None = None,
     ) -> None:
         self.case, self.num_blocks, self.device, self.reps = case, num_blocks, device, reps
-        cache = torch.empty(case.layers, num_blocks, case.block_bytes, dtype=torch.uint8)
+        views = case.name == "layer-views"
+        shape = (num_blocks, case.layers) if views else (case.layers, num_blocks)
+        cache = torch.empty(*shape, case.block_bytes, dtype=torch.uint8)
         self.cache = cache.to(device).fill_(1)  # one buffer, so the baseline has a region
-        layout = KVLayout(list(self.cache.unbind(0)))
+        layout = KVLayout(list(self.cache.unbind(1 if views else 0)))
         pool = CpuBlockPool(layout.bytes_per_block, num_blocks, pin=device == "cuda", prefault=True)
         self.engine = TransferEngine(layout, pool, copier=copier)
         self.device_flat = self.cache.view(-1)
@@ -126,6 +130,7 @@ class Bench:
                 engine_seconds.append(self._time(engine))
         moved = jobs * nbytes / 1e9
         return Result(
+            self.case.name,
             direction,
             self.case.block_bytes,
             batch,
@@ -179,7 +184,11 @@ class Bench:
 
 
 def cases(device: str) -> list[Case]:
-    found = [Case("cross-layer", 2 * MiB, 1), Case("per-layer", 64 * KiB, 8)]
+    found = [
+        Case("cross-layer", 2 * MiB, 1),
+        Case("per-layer", 64 * KiB, 8),
+        Case("layer-views", 64 * KiB, 8),
+    ]
     if device == "cuda":
         found.append(Case("per-layer", 256 * KiB, 8))
     return found
@@ -237,7 +246,7 @@ def overlap(quick: bool) -> dict[str, float]:
 
 def table(results: list[Result], device: str) -> str:
     lines = [
-        f"{'direction':9} {'block':>8} {'batch':>5} {'ids':10} {'GB/s':>7} "
+        f"{'layout':11} {'direction':9} {'block':>8} {'batch':>5} {'ids':10} {'GB/s':>7} "
         f"{'copy_ GB/s':>10} {'ratio':>6} {'target':>6}",
     ]
     for r in results:
@@ -248,7 +257,7 @@ def table(results: list[Result], device: str) -> str:
             else f"{goal:.0%} " + ("ok" if r.gbps >= goal * r.memcpy_gbps else "MISS")
         )
         lines.append(
-            f"{r.direction:9} {r.block_bytes // KiB:>5}KiB {r.batch:>5} {r.ids:10} "
+            f"{r.layout:11} {r.direction:9} {r.block_bytes // KiB:>5}KiB {r.batch:>5} {r.ids:10} "
             f"{r.gbps:7.2f} {r.memcpy_gbps:10.2f} {r.gbps / r.memcpy_gbps:6.0%} {verdict}"
         )
     return "\n".join(lines)
