@@ -3,9 +3,10 @@
 Cases: 2 MiB cross-layer blocks (one ``[N, 2 MiB]`` tensor), 64 KiB per-layer blocks
 (8 tensors ``[N, 64 KiB]``; a device block is 8 segments) and the same 64 KiB layers as
 per-layer views of one ``[N, 8, 64 KiB]`` tensor (layer-views: the engine merges a block's
-adjacent segments into one run), on CUDA also 256 KiB per-layer blocks; stores and loads; batches of 1, 8, 64 and 512 device blocks per job; random or
-contiguous block ids, on both sides. Each sample submits enough jobs to move ~16 MiB (one
-job when it is bigger) and waits for them. The engine's and the baseline's samples
+adjacent segments into one run), on CUDA also 256 KiB per-layer blocks; stores and
+loads; batches of 1, 8, 64 and 512 device blocks per job; random or contiguous block
+ids, on both sides. Each sample submits enough jobs to move ~16 MiB (one job when it is
+bigger) and waits for them. The engine's and the baseline's samples
 alternate (which goes first alternates too) and each figure is the median of its 16
 samples: on the shared 2-core machine a neighbour's burst can cut a copy from 20 to 3 GB/s
 for a few milliseconds, and the median of interleaved samples ignores such bursts on
