@@ -248,7 +248,7 @@ def _size_one_layouts() -> list[tuple[str, list[torch.Tensor], int]]:
 
 def size_one_problems() -> list[str]:
     """What goes wrong with the layouts above: a refusal, a segment that is not the block,
-    or a store and load through the engine (both CPU copiers) that is not byte-exact."""
+    or a store and load through the engine (every copier, on the CPU) that is not byte-exact."""
     from kvoffload.transfer import CpuBlockPool, TransferEngine
     from kvoffload.transfer.engine import CopierName
 
@@ -263,7 +263,7 @@ def size_one_problems() -> list[str]:
         expected = [reference_block(tensors, block_dim, block) for block in range(count)]
         if not all(torch.equal(layout_block(layout, b), want) for b, want in enumerate(expected)):
             problems.append(f"{name}: the segments are not the blocks")
-        copiers: tuple[CopierName, ...] = ("memmove", "tensor")
+        copiers: tuple[CopierName, ...] = ("memmove", "tensor", "gather")
         for copier in copiers:
             pool = CpuBlockPool(layout.bytes_per_block, count)
             engine = TransferEngine(layout, pool, copier=copier)

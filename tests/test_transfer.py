@@ -25,12 +25,20 @@ from kvoffload.transfer import (
 )
 from kvoffload.transfer import pool as pool_module
 from kvoffload.transfer.engine import CopierName
+from kvoffload.transfer.gather import ThresholdCopier
+from kvoffload.transfer.jobs import FaultHook, Job
 from kvoffload.transfer.runs import BlockMapping, CopyRuns, IdArray
 from kvoffload_spec.errors import InvalidArgumentError
 from tests.test_layout import CUDA, DEVICES, DTYPES, KINDS, make_cache, reference_block
 
-# (copier, threaded): the fast CPU path, the tensor path CUDA uses, and worker threads
-CPU_PATHS: list[tuple[CopierName | None, bool]] = [(None, False), ("tensor", False), (None, True)]
+# (copier, threaded): the fast CPU path, the two paths CUDA uses (per-run copies, and the
+# staging buffer of small runs), and worker threads
+CPU_PATHS: list[tuple[CopierName | None, bool]] = [
+    (None, False),
+    ("tensor", False),
+    ("gather", False),
+    (None, True),
+]
 needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 
 
@@ -465,8 +473,9 @@ def test_the_benchmark_prints_the_agreed_json(
     finally:
         torch.set_num_threads(threads)
     rows = json.loads(capsys.readouterr().out)["results"]
-    fields = {"direction", "block_bytes", "batch", "ids", "gbps", "memcpy_gbps"}
+    fields = {"layout", "direction", "block_bytes", "batch", "ids", "gbps", "memcpy_gbps"}
     assert rows and all(set(row) == fields for row in rows)
+    assert {r["layout"] for r in rows} == {"cross-layer", "per-layer", "layer-views"}
     assert {(r["direction"], r["ids"]) for r in rows} == {
         (d, i) for d in ("store", "load") for i in ("random", "contiguous")
     }
@@ -564,3 +573,51 @@ def test_a_consumer_stream_can_wait_for_a_load() -> None:
     engine.wait([job])
     (result,) = engine.poll()
     assert result.ok and result.seconds > 0 and result.nbytes == 64 << 20
+
+
+# -- the staging path for small runs (CUDA's default below GATHER_BELOW) -------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.jobs: list[int] = []
+
+    def copy(self, job: Job, hook: FaultHook | None) -> None:
+        self.jobs.append(job.job_id)
+
+
+def test_small_runs_go_through_the_staging_buffer_and_large_ones_do_not() -> None:
+    small, large = Recorder(), Recorder()
+    chooser = ThresholdCopier(small, large, below=1024)
+    mapping = mapping_for("per_layer", factor=1, layers=2)  # 48-byte segments (bf16)
+    random = mapping.runs(ids(5, 1, 9), ids(0, 1, 2), to_cpu=True)
+    chooser.copy(Job(1, Direction.STORE, random, random.total_bytes), None)
+    wide = ThresholdCopier(small, large, below=48)  # 48-byte runs are not under 48
+    wide.copy(Job(2, Direction.LOAD, random, random.total_bytes), None)
+    assert small.jobs == [1] and large.jobs == [2]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_staging_path_moves_exactly_the_runs_bytes(kind: str) -> None:
+    """Against the per-run reference: same pool after a store, same cache after a load."""
+    results = []
+    for copier in ("tensor", "gather"):
+        engine, tensors, block_dim = build_engine(
+            kind, num_blocks=12, cpu_blocks=5, factor=2, copier=copier
+        )
+        finish(engine, engine.submit_store([7, 2, 3, 4, 11, 0], [4, 0, 2]))
+        finish(engine, engine.submit_load([2, 4], [1, 9, 5, 6]))
+        stored = engine.pool.tensor[[0, 2, 4]].clone()  # the other slots were never written
+        results.append((stored, blocks_of(tensors, block_dim)))
+        engine.close()
+    (pool_tensor, blocks_tensor), (pool_gather, blocks_gather) = results
+    assert torch.equal(pool_tensor, pool_gather) and same(blocks_tensor, blocks_gather)
+
+
+def test_a_fault_fails_a_staged_job_before_it_copies_anything() -> None:
+    engine, _, _ = build_engine("per_layer", num_blocks=4, cpu_blocks=2, copier="gather")
+    engine.fault_hook = FailAt(job=0, run=1)
+    pool_before = engine.pool.tensor.clone()
+    engine.submit_store([0, 1], [0, 1])
+    (result,) = engine.poll()
+    assert not result.ok and torch.equal(engine.pool.tensor, pool_before)
