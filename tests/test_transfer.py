@@ -621,3 +621,16 @@ def test_a_fault_fails_a_staged_job_before_it_copies_anything() -> None:
     engine.submit_store([0, 1], [0, 1])
     (result,) = engine.poll()
     assert not result.ok and torch.equal(engine.pool.tensor, pool_before)
+
+
+def test_the_staging_path_handles_rows_of_odd_bytes() -> None:
+    """5-byte blocks: rows of single bytes, no 8-byte elements."""
+    cache = torch.arange(30, dtype=torch.uint8).view(6, 5)
+    original = cache.clone()
+    layout = KVLayout([cache])
+    engine = TransferEngine(layout, CpuBlockPool(5, 4), copier="gather")
+    finish(engine, engine.submit_store([4, 0, 5], [2, 0, 3]))
+    cache.zero_()
+    finish(engine, engine.submit_load([3, 2, 0], [1, 2, 3]))
+    assert torch.equal(cache[[1, 2, 3]], original[[5, 4, 0]])
+    assert not cache[[0, 4, 5]].any()

@@ -56,8 +56,10 @@ class GatherCopier:
             [distinct[s.data_ptr()] for s in storages], dtype=np.int64
         )
         by_pointer = {s.data_ptr(): s for s in storages}
-        self._rows = [_rows_of(by_pointer[pointer], self.unit) for pointer in distinct]
-        self._pool = _rows_of(pool.flat, self.unit)
+        # Kernels move one element per thread: 8-byte elements where every row allows them
+        wide = self.unit % 8 == 0 and all(p % 8 == 0 for p in (*distinct, pool.flat.data_ptr()))
+        self._rows = [_rows_of(by_pointer[pointer], self.unit, wide) for pointer in distinct]
+        self._pool = _rows_of(pool.flat, self.unit, wide)
         self._device = layout.device
 
     def copy(self, job: Job, hook: FaultHook | None) -> None:
@@ -99,7 +101,7 @@ def move_through_staging(
     staged_at = np.cumsum(rows) - rows  # where each run lies in the staging buffer
     total = int(rows.sum())
     device = storage_rows[0].device
-    staging = torch.empty((total, unit), dtype=torch.uint8, device=device)
+    staging = pool_rows.new_empty((total, pool_rows.shape[1]), device=device)
     spans = _spans(cpu_row, rows)
     if not store:
         for first, last in spans:
@@ -125,11 +127,14 @@ def move_through_staging(
             pool_rows[at : at + end - begin].copy_(staging[begin:end], non_blocking=True)
 
 
-def _rows_of(flat: torch.Tensor, unit: int) -> torch.Tensor:
-    """A flat byte tensor as whole rows of ``unit`` bytes (a tail shorter than one row,
-    which no run reaches, is left out).
+def _rows_of(flat: torch.Tensor, unit: int, wide: bool) -> torch.Tensor:
+    """A flat byte tensor as whole rows of ``unit`` bytes, of 8-byte elements when
+    ``wide`` (a tail shorter than one row, which no run reaches, is left out).
     """
-    return flat[: flat.numel() // unit * unit].view(-1, unit)
+    import torch
+
+    rows = flat[: flat.numel() // unit * unit]
+    return (rows.view(torch.int64) if wide else rows).view(-1, unit // 8 if wide else unit)
 
 
 def _expand(starts: IdArray, lengths: IdArray) -> IdArray:
