@@ -171,9 +171,10 @@ def test_round_trip_is_byte_exact_on_cpu(
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("copier", [None, "tensor"])  # the default stages these small runs
 @given(case=round_trips())
-def test_round_trip_is_byte_exact_on_cuda(case: RoundTrip) -> None:
-    check_round_trip(case, "cuda", None, False)
+def test_round_trip_is_byte_exact_on_cuda(case: RoundTrip, copier: CopierName | None) -> None:
+    check_round_trip(case, "cuda", copier, False)
 
 
 @pytest.mark.parametrize("device", DEVICES)
