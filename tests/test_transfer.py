@@ -236,6 +236,19 @@ def test_random_ids_do_not_merge() -> None:
     assert len(runs) == 2 * 3
 
 
+@pytest.mark.parametrize("factor", [1, 2])
+def test_runs_that_merge_nowhere_are_planned_alike_by_both_planners(factor: int) -> None:
+    tensors, block_dim = make_cache("kv_split", num_blocks=16, layers=2)
+    layout = KVLayout(tensors, block_dim)
+    device, cpu = ids(9, 2, 14, 5)[: 2 * factor], ids(3, 0)
+    for to_cpu in (True, False):
+        small = BlockMapping(layout, factor, small_job=10**9).runs(device, cpu, to_cpu=to_cpu)
+        large = BlockMapping(layout, factor, small_job=0).runs(device, cpu, to_cpu=to_cpu)
+        assert len(small) == 4 * len(device)  # 4 segments, one run per (segment, block)
+        for column in ("segment", "device_offset", "cpu_offset", "nbytes"):
+            assert getattr(small, column).tolist() == getattr(large, column).tolist()
+
+
 @pytest.mark.parametrize("small_job", [0, 10**9])
 def test_adjacent_segments_of_one_storage_merge_across_layers(small_job: int) -> None:
     tensors, block_dim = make_cache("layer_views", num_blocks=16, layers=3)

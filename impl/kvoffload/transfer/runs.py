@@ -104,6 +104,8 @@ class BlockMapping:
         follows[1:] = (device[1:] == device[:-1] + 1) & (sub[1:] == sub[:-1] + 1)
         if not self._runs_cross_cpu_blocks:
             follows[1:] &= sub[1:] % k != 0
+        if not follows.any():  # random ids: one run per (row, pair), in that order
+            return self._unmerged_runs(device, sub)
         starts = np.flatnonzero(~(follows & self._packed[:, None]))  # over [segment, block]
         row, block = starts // n, starts % n
         lengths = np.empty_like(starts)
@@ -117,6 +119,19 @@ class BlockMapping:
             + self._cpu_offset[row]
             + (first_sub % k) * self._nbytes[row],
             nbytes=lengths * self._nbytes[row],
+        )
+
+    def _unmerged_runs(self, device: IdArray, sub: IdArray) -> CopyRuns:
+        """What the general case gives when no pair continues another, in fewer calls."""
+        k, n = self.factor, len(device)
+        within = self._cpu_offset[:, None] + (sub // k * self.cpu_block_bytes)
+        if k > 1:
+            within += (sub % k) * self._nbytes[:, None]
+        return CopyRuns(
+            segment=np.repeat(self._segment, n),
+            device_offset=(self._base[:, None] + device * self._stride[:, None]).ravel(),
+            cpu_offset=within.ravel(),
+            nbytes=np.repeat(self._nbytes, n),
         )
 
 
