@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The data path's GPU checks (issue 4) in one run: at most ~7.5 minutes on one H200 (the step
-# limits add up to 440 s), usually far less:
+# The data path's GPU checks (issue 4) in one run: at most ~10 minutes on one H200 (the step
+# limits add up to 580 s), usually far less:
 #   1. the machine: GPU, torch, and whether pytest/hypothesis/numpy import;
 #   2. the data-path tests, CPU and CUDA variants (pytest, cuda-marked ones included);
-#   3. bench/transfer_bench.py on CUDA: store/load GB/s next to pinned cudaMemcpy;
-#   4. the overlap check: a bf16 matmul loop alone and while stores run.
+#   3. bench/transfer_bench.py on CUDA: store/load GB/s next to pinned cudaMemcpy, with the
+#      default copier (4-16 KiB blocks through the staging buffer) and, side by side, with
+#      one copy_ per run (--copier tensor);
+#   4. the overlap check: a bf16 matmul loop alone and while stores run (2 MiB blocks, and
+#      4 KiB per-layer blocks on the staging path).
 # Each step has its own timeout, and a failing step does not stop the others. Outputs land
 # in $OUT (default ./gpu_out): env.log, pytest.log, transfer.log, transfer_cuda.json,
-# overlap.log, overlap.json, summary.txt.
+# transfer_tensor.log, transfer_cuda_tensor.json, overlap.log, overlap.json, summary.txt.
 #
 # The project is used from the working tree (PYTHONPATH=spec:impl): nothing is built or
 # downloaded. If pytest or hypothesis is missing and wheels were carried in ./.whl, they
@@ -60,6 +63,9 @@ step pytest 220 "$PY" -m pytest -q -rs --durations=10 \
     tests/test_offloader_stateful.py
 
 step transfer 140 "$PY" bench/transfer_bench.py --device cuda --out "$OUT/transfer_cuda.json"
+
+step transfer_tensor 140 "$PY" bench/transfer_bench.py --device cuda --copier tensor \
+    --out "$OUT/transfer_cuda_tensor.json"
 
 step overlap 50 "$PY" bench/transfer_bench.py --overlap --out "$OUT/overlap.json"
 

@@ -1,10 +1,13 @@
 """Bandwidth of the transfer engine next to a plain ``copy_`` of the same bytes, in one run.
 
-Cases: 2 MiB cross-layer blocks (one ``[N, 2 MiB]`` tensor) and 64 KiB per-layer blocks
-(8 tensors ``[N, 64 KiB]``; a device block is 8 segments), on CUDA also 256 KiB per-layer
-blocks; stores and loads; batches of 1, 8, 64 and 512 device blocks per job; random or
-contiguous block ids, on both sides. Each sample submits enough jobs to move ~16 MiB (one
-job when it is bigger) and waits for them. The engine's and the baseline's samples
+Cases: 2 MiB cross-layer blocks (one ``[N, 2 MiB]`` tensor), 64 KiB per-layer blocks
+(8 tensors ``[N, 64 KiB]``; a device block is 8 segments) and the same 64 KiB layers as
+per-layer views of one ``[N, 8, 64 KiB]`` tensor (layer-views: the engine merges a block's
+adjacent segments into one run), on CUDA also 4, 16 and 256 KiB per-layer blocks (the
+engine's default on CUDA sends runs under 256 KiB through one staging buffer); stores and
+loads; batches of 1, 8, 64 and 512 device blocks per job; random or contiguous block
+ids, on both sides. Each sample submits enough jobs to move ~16 MiB (one job when it is
+bigger) and waits for them. The engine's and the baseline's samples
 alternate (which goes first alternates too) and each figure is the median of its 16
 samples: on the shared 2-core machine a neighbour's burst can cut a copy from 20 to 3 GB/s
 for a few milliseconds, and the median of interleaved samples ignores such bursts on
@@ -18,9 +21,10 @@ pinned pool on CUDA.
 
 ``python bench/transfer_bench.py`` prints a table and writes bench/results/transfer.json;
 ``--json`` prints the JSON instead; ``--quick`` is a smoke run of a few seconds;
-``--copier tensor`` measures the CPU with the per-run ``copy_`` that CUDA uses;
-``--overlap`` (CUDA) times a matmul loop alone and while stores run (written to
-bench/results/overlap.json).
+``--copier tensor`` measures with one ``copy_`` per run (on CUDA: the path without the
+staging buffer), ``--copier gather`` always through the staging buffer;
+``--overlap`` (CUDA) times a matmul loop alone and while stores run, of 2 MiB blocks and of
+4 KiB per-layer blocks (written to bench/results/overlap.json).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ SAMPLE_BYTES = 16 * MiB
 TARGETS = {  # (device kind, block bytes at least) -> fraction of the baseline to reach
     ("cpu", 2 * MiB): 0.90,
     ("cpu", 64 * KiB): 0.80,
+    ("cuda", 4 * KiB): 0.50,
     ("cuda", 256 * KiB): 0.80,
 }
 
@@ -68,6 +73,7 @@ class Case:
 
 @dataclass(frozen=True)
 class Result:
+    layout: str
     direction: Direction
     block_bytes: int
     batch: int
@@ -96,9 +102,11 @@ class Bench:
         copier: CopierName | None = None,
     ) -> None:
         self.case, self.num_blocks, self.device, self.reps = case, num_blocks, device, reps
-        cache = torch.empty(case.layers, num_blocks, case.block_bytes, dtype=torch.uint8)
+        views = case.name == "layer-views"
+        shape = (num_blocks, case.layers) if views else (case.layers, num_blocks)
+        cache = torch.empty(*shape, case.block_bytes, dtype=torch.uint8)
         self.cache = cache.to(device).fill_(1)  # one buffer, so the baseline has a region
-        layout = KVLayout(list(self.cache.unbind(0)))
+        layout = KVLayout(list(self.cache.unbind(1 if views else 0)))
         pool = CpuBlockPool(layout.bytes_per_block, num_blocks, pin=device == "cuda", prefault=True)
         self.engine = TransferEngine(layout, pool, copier=copier)
         self.device_flat = self.cache.view(-1)
@@ -126,6 +134,7 @@ class Bench:
                 engine_seconds.append(self._time(engine))
         moved = jobs * nbytes / 1e9
         return Result(
+            self.case.name,
             direction,
             self.case.block_bytes,
             batch,
@@ -179,9 +188,13 @@ class Bench:
 
 
 def cases(device: str) -> list[Case]:
-    found = [Case("cross-layer", 2 * MiB, 1), Case("per-layer", 64 * KiB, 8)]
+    found = [
+        Case("cross-layer", 2 * MiB, 1),
+        Case("per-layer", 64 * KiB, 8),
+        Case("layer-views", 64 * KiB, 8),
+    ]
     if device == "cuda":
-        found.append(Case("per-layer", 256 * KiB, 8))
+        found += [Case("per-layer", size * KiB, 8) for size in (4, 16, 256)]
     return found
 
 
@@ -199,12 +212,14 @@ def run(device: str, quick: bool, copier: CopierName | None) -> Iterator[Result]
             bench.close()
 
 
-def overlap(quick: bool) -> dict[str, float]:
-    """A bf16 matmul loop alone, then while 2 MiB stores run on the store stream."""
+def overlap(quick: bool, case: Case) -> dict[str, float]:
+    """A bf16 matmul loop alone, then while stores of ``case`` run on the store stream
+    (random ids, so that small blocks take the staging path and its kernels).
+    """
     size, loops = (2048, 20) if quick else (8192, 100)
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    bench = Bench(Case("cross-layer", 2 * MiB, 1), 512, "cuda", reps=1)
-    blocks = np.arange(512)
+    bench = Bench(case, 512, "cuda", reps=1)
+    blocks = np.random.default_rng(0).permutation(512)
 
     def matmuls() -> float:
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -237,7 +252,7 @@ def overlap(quick: bool) -> dict[str, float]:
 
 def table(results: list[Result], device: str) -> str:
     lines = [
-        f"{'direction':9} {'block':>8} {'batch':>5} {'ids':10} {'GB/s':>7} "
+        f"{'layout':11} {'direction':9} {'block':>8} {'batch':>5} {'ids':10} {'GB/s':>7} "
         f"{'copy_ GB/s':>10} {'ratio':>6} {'target':>6}",
     ]
     for r in results:
@@ -248,7 +263,7 @@ def table(results: list[Result], device: str) -> str:
             else f"{goal:.0%} " + ("ok" if r.gbps >= goal * r.memcpy_gbps else "MISS")
         )
         lines.append(
-            f"{r.direction:9} {r.block_bytes // KiB:>5}KiB {r.batch:>5} {r.ids:10} "
+            f"{r.layout:11} {r.direction:9} {r.block_bytes // KiB:>5}KiB {r.batch:>5} {r.ids:10} "
             f"{r.gbps:7.2f} {r.memcpy_gbps:10.2f} {r.gbps / r.memcpy_gbps:6.0%} {verdict}"
         )
     return "\n".join(lines)
@@ -263,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where to write the JSON")
     parser.add_argument(
         "--copier",
-        choices=("memmove", "tensor"),
+        choices=("memmove", "tensor", "gather"),
         default=None,
-        help="CPU: copy runs with memmove (default) or with copy_ per run, as on CUDA",
+        help="memmove (CPU default), copy_ per run, or the staging buffer for every job "
+        "(CUDA default: the staging buffer below 256 KiB runs, copy_ per run above)",
     )
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -277,9 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.overlap and device != "cuda":
         parser.error("--overlap needs CUDA")
     if args.overlap:
-        measured = overlap(args.quick)
-        report: dict[str, object] = {"overlap": measured}
-        shown = "\n".join(f"{name:22} {value:10.3f}" for name, value in measured.items())
+        measured = overlap(args.quick, Case("cross-layer", 2 * MiB, 1))
+        small = overlap(args.quick, Case("per-layer", 4 * KiB, 8))
+        report: dict[str, object] = {"overlap": measured, "overlap_4kib_per_layer": small}
+        shown = "\n".join(
+            f"{name:22} {value:10.3f} {small[name]:10.3f}" for name, value in measured.items()
+        )
+        shown = f"{'':22} {'2 MiB':>10} {'4 KiB x 8':>10}\n" + shown
     else:
         results = list(run(device, args.quick, args.copier))
         report = {"results": [asdict(r) for r in results]}

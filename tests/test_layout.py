@@ -29,7 +29,7 @@ DEVICES = [
     ),
 ]
 DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64]
-KINDS = ["per_layer", "kv_split", "kv_interleaved", "cross_layer"]
+KINDS = ["per_layer", "kv_split", "kv_interleaved", "cross_layer", "layer_views"]
 
 
 def make_cache(
@@ -45,9 +45,20 @@ def make_cache(
 
     per_layer: ``[N, 2, 3, 4]`` per layer (K and V inside the block); kv_split:
     ``[2, N, 3, 4]`` per layer; kv_interleaved: the same shape as a non-contiguous view
-    of ``[N, 2, 3, 4]``; cross_layer: one ``[N, layers, 2, 3, 4]`` tensor.
+    of ``[N, 2, 3, 4]``; cross_layer: one ``[N, layers, 2, 3, 4]`` tensor; layer_views:
+    its per-layer views ``[N, 2, 3, 4]`` (the segments of a block are adjacent in memory).
     """
     shapes: list[tuple[int, ...]]
+    if kind == "layer_views":
+        whole, _ = make_cache(
+            "cross_layer",
+            num_blocks=num_blocks,
+            dtype=dtype,
+            layers=layers,
+            device=device,
+            seed=seed,
+        )
+        return list(whole[0].unbind(1)), 0
     if kind == "cross_layer":
         shapes, block_dim = [(num_blocks, layers, 2, 3, 4)], 0
     elif kind == "per_layer":
@@ -237,7 +248,7 @@ def _size_one_layouts() -> list[tuple[str, list[torch.Tensor], int]]:
 
 def size_one_problems() -> list[str]:
     """What goes wrong with the layouts above: a refusal, a segment that is not the block,
-    or a store and load through the engine (both CPU copiers) that is not byte-exact."""
+    or a store and load through the engine (every copier, on the CPU) that is not byte-exact."""
     from kvoffload.transfer import CpuBlockPool, TransferEngine
     from kvoffload.transfer.engine import CopierName
 
@@ -252,7 +263,7 @@ def size_one_problems() -> list[str]:
         expected = [reference_block(tensors, block_dim, block) for block in range(count)]
         if not all(torch.equal(layout_block(layout, b), want) for b, want in enumerate(expected)):
             problems.append(f"{name}: the segments are not the blocks")
-        copiers: tuple[CopierName, ...] = ("memmove", "tensor")
+        copiers: tuple[CopierName, ...] = ("memmove", "tensor", "gather")
         for copier in copiers:
             pool = CpuBlockPool(layout.bytes_per_block, count)
             engine = TransferEngine(layout, pool, copier=copier)

@@ -25,12 +25,20 @@ from kvoffload.transfer import (
 )
 from kvoffload.transfer import pool as pool_module
 from kvoffload.transfer.engine import CopierName
+from kvoffload.transfer.gather import ThresholdCopier
+from kvoffload.transfer.jobs import FaultHook, Job
 from kvoffload.transfer.runs import BlockMapping, CopyRuns, IdArray
 from kvoffload_spec.errors import InvalidArgumentError
 from tests.test_layout import CUDA, DEVICES, DTYPES, KINDS, make_cache, reference_block
 
-# (copier, threaded): the fast CPU path, the tensor path CUDA uses, and worker threads
-CPU_PATHS: list[tuple[CopierName | None, bool]] = [(None, False), ("tensor", False), (None, True)]
+# (copier, threaded): the fast CPU path, the two paths CUDA uses (per-run copies, and the
+# staging buffer of small runs), and worker threads
+CPU_PATHS: list[tuple[CopierName | None, bool]] = [
+    (None, False),
+    ("tensor", False),
+    ("gather", False),
+    (None, True),
+]
 needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 
 
@@ -163,9 +171,10 @@ def test_round_trip_is_byte_exact_on_cpu(
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("copier", [None, "tensor"])  # the default stages these small runs
 @given(case=round_trips())
-def test_round_trip_is_byte_exact_on_cuda(case: RoundTrip) -> None:
-    check_round_trip(case, "cuda", None, False)
+def test_round_trip_is_byte_exact_on_cuda(case: RoundTrip, copier: CopierName | None) -> None:
+    check_round_trip(case, "cuda", copier, False)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -225,6 +234,40 @@ def test_random_ids_do_not_merge() -> None:
     mapping = mapping_for("per_layer", factor=1, layers=2)
     runs = mapping.runs(ids(5, 1, 9), ids(0, 1, 2), to_cpu=True)
     assert len(runs) == 2 * 3
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_runs_that_merge_nowhere_are_planned_alike_by_both_planners(factor: int) -> None:
+    tensors, block_dim = make_cache("kv_split", num_blocks=16, layers=2)
+    layout = KVLayout(tensors, block_dim)
+    device, cpu = ids(9, 2, 14, 5)[: 2 * factor], ids(3, 0)
+    for to_cpu in (True, False):
+        small = BlockMapping(layout, factor, small_job=10**9).runs(device, cpu, to_cpu=to_cpu)
+        large = BlockMapping(layout, factor, small_job=0).runs(device, cpu, to_cpu=to_cpu)
+        assert len(small) == 4 * len(device)  # 4 segments, one run per (segment, block)
+        for column in ("segment", "device_offset", "cpu_offset", "nbytes"):
+            assert getattr(small, column).tolist() == getattr(large, column).tolist()
+
+
+@pytest.mark.parametrize("small_job", [0, 10**9])
+def test_adjacent_segments_of_one_storage_merge_across_layers(small_job: int) -> None:
+    tensors, block_dim = make_cache("layer_views", num_blocks=16, layers=3)
+    layout = KVLayout(tensors, block_dim)
+    mapping = BlockMapping(layout, 1, small_job=small_job)
+    random = mapping.runs(ids(5, 1, 9), ids(0, 1, 2), to_cpu=True)
+    assert len(random) == 3 and set(random.nbytes.tolist()) == {layout.bytes_per_block}
+    contiguous = mapping.runs(ids(4, 5, 6), ids(0, 1, 2), to_cpu=False)
+    assert len(contiguous) == 1 and contiguous.total_bytes == 3 * layout.bytes_per_block
+    # a CPU block of two device blocks holds each segment's sub-blocks together: no merge
+    split = BlockMapping(layout, 2, small_job=small_job).runs(ids(5, 1), ids(0), to_cpu=True)
+    assert len(split) == 2 * 3
+
+
+def test_segments_of_separate_storages_never_merge() -> None:
+    whole = torch.zeros(16, 2, 24, dtype=torch.uint8)
+    first, second = whole[:, 0].clone(), whole[:, 1].clone()  # adjacent by chance at most
+    mapping = BlockMapping(KVLayout([first, second]), 1)
+    assert len(mapping.runs(ids(3), ids(0), to_cpu=True)) == 2
 
 
 @given(case=round_trips(), to_cpu=st.booleans())
@@ -444,8 +487,9 @@ def test_the_benchmark_prints_the_agreed_json(
     finally:
         torch.set_num_threads(threads)
     rows = json.loads(capsys.readouterr().out)["results"]
-    fields = {"direction", "block_bytes", "batch", "ids", "gbps", "memcpy_gbps"}
+    fields = {"layout", "direction", "block_bytes", "batch", "ids", "gbps", "memcpy_gbps"}
     assert rows and all(set(row) == fields for row in rows)
+    assert {r["layout"] for r in rows} == {"cross-layer", "per-layer", "layer-views"}
     assert {(r["direction"], r["ids"]) for r in rows} == {
         (d, i) for d in ("store", "load") for i in ("random", "contiguous")
     }
@@ -543,3 +587,64 @@ def test_a_consumer_stream_can_wait_for_a_load() -> None:
     engine.wait([job])
     (result,) = engine.poll()
     assert result.ok and result.seconds > 0 and result.nbytes == 64 << 20
+
+
+# -- the staging path for small runs (CUDA's default below GATHER_BELOW) -------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.jobs: list[int] = []
+
+    def copy(self, job: Job, hook: FaultHook | None) -> None:
+        self.jobs.append(job.job_id)
+
+
+def test_small_runs_go_through_the_staging_buffer_and_large_ones_do_not() -> None:
+    small, large = Recorder(), Recorder()
+    chooser = ThresholdCopier(small, large, below=1024)
+    mapping = mapping_for("per_layer", factor=1, layers=2)  # 48-byte segments (bf16)
+    random = mapping.runs(ids(5, 1, 9), ids(0, 1, 2), to_cpu=True)
+    chooser.copy(Job(1, Direction.STORE, random, random.total_bytes), None)
+    wide = ThresholdCopier(small, large, below=48)  # 48-byte runs are not under 48
+    wide.copy(Job(2, Direction.LOAD, random, random.total_bytes), None)
+    assert small.jobs == [1] and large.jobs == [2]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_staging_path_moves_exactly_the_runs_bytes(kind: str) -> None:
+    """Against the per-run reference: same pool after a store, same cache after a load."""
+    results = []
+    for copier in ("tensor", "gather"):
+        engine, tensors, block_dim = build_engine(
+            kind, num_blocks=12, cpu_blocks=5, factor=2, copier=copier
+        )
+        finish(engine, engine.submit_store([7, 2, 3, 4, 11, 0], [4, 0, 2]))
+        finish(engine, engine.submit_load([2, 4], [1, 9, 5, 6]))
+        stored = engine.pool.tensor[[0, 2, 4]].clone()  # the other slots were never written
+        results.append((stored, blocks_of(tensors, block_dim)))
+        engine.close()
+    (pool_tensor, blocks_tensor), (pool_gather, blocks_gather) = results
+    assert torch.equal(pool_tensor, pool_gather) and same(blocks_tensor, blocks_gather)
+
+
+def test_a_fault_fails_a_staged_job_before_it_copies_anything() -> None:
+    engine, _, _ = build_engine("per_layer", num_blocks=4, cpu_blocks=2, copier="gather")
+    engine.fault_hook = FailAt(job=0, run=1)
+    pool_before = engine.pool.tensor.clone()
+    engine.submit_store([0, 1], [0, 1])
+    (result,) = engine.poll()
+    assert not result.ok and torch.equal(engine.pool.tensor, pool_before)
+
+
+def test_the_staging_path_handles_rows_of_odd_bytes() -> None:
+    """5-byte blocks: rows of single bytes, no 8-byte elements."""
+    cache = torch.arange(30, dtype=torch.uint8).view(6, 5)
+    original = cache.clone()
+    layout = KVLayout([cache])
+    engine = TransferEngine(layout, CpuBlockPool(5, 4), copier="gather")
+    finish(engine, engine.submit_store([4, 0, 5], [2, 0, 3]))
+    cache.zero_()
+    finish(engine, engine.submit_load([3, 2, 0], [1, 2, 3]))
+    assert torch.equal(cache[[1, 2, 3]], original[[5, 4, 0]])
+    assert not cache[[0, 4, 5]].any()

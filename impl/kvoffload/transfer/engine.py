@@ -15,6 +15,7 @@ import numpy as np
 
 from kvoffload.transfer.copiers import Copier, MemmoveCopier, TensorCopier
 from kvoffload.transfer.cpu import CpuBackend
+from kvoffload.transfer.gather import GatherCopier, ThresholdCopier
 from kvoffload.transfer.jobs import Direction, FaultHook, Job, JobResult
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
     BlockIds = Sequence[int] | IdArray | torch.Tensor
 
-CopierName = Literal["memmove", "tensor"]
+CopierName = Literal["memmove", "tensor", "gather"]
 SMALL = 32  # ids: where plain Python beats numpy's per-call cost
 
 
@@ -225,20 +226,31 @@ def _backend_for(
     layout: KVLayout, pool: CpuBlockPool, threaded: bool, copier: CopierName | None
 ) -> Backend:
     kind = layout.device.type
-    if copier not in (None, "memmove", "tensor"):
-        raise InvalidArgumentError(f"copier must be 'memmove' or 'tensor', got {copier!r}")
+    if copier not in (None, "memmove", "tensor", "gather"):
+        raise InvalidArgumentError(
+            f"copier must be 'memmove', 'tensor' or 'gather', got {copier!r}"
+        )
     if kind == "cuda":
         if copier == "memmove":
             raise InvalidArgumentError("the memmove copier needs the KV cache in host memory")
         from kvoffload.transfer.cuda import CudaBackend
 
-        return CudaBackend(TensorCopier(layout, pool), layout.device)
+        if copier is None:  # small runs through a staging buffer, large ones copied directly
+            chosen: Copier = ThresholdCopier(GatherCopier(layout, pool), TensorCopier(layout, pool))
+        else:
+            chosen = _named_copier(copier, layout, pool)
+        return CudaBackend(chosen, layout.device)
     if kind != "cpu":
         raise InvalidArgumentError(f"KV caches on {kind!r} are not supported (cpu or cuda)")
-    chosen: Copier = (
-        TensorCopier(layout, pool) if copier == "tensor" else MemmoveCopier(layout, pool)
-    )
-    return CpuBackend(chosen, threaded=threaded)
+    return CpuBackend(_named_copier(copier or "memmove", layout, pool), threaded=threaded)
+
+
+def _named_copier(name: CopierName, layout: KVLayout, pool: CpuBlockPool) -> Copier:
+    if name == "tensor":
+        return TensorCopier(layout, pool)
+    if name == "gather":
+        return GatherCopier(layout, pool)
+    return MemmoveCopier(layout, pool)
 
 
 def as_block_ids(name: str, ids: object, limit: int) -> IdArray:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -50,30 +51,22 @@ class BlockMapping:
     """
 
     def __init__(self, layout: KVLayout, factor: int, small_job: int = 32) -> None:
-        segments = layout.segments
+        rows = _rows_of(layout, factor)
         self.factor = factor
         self.small_job = small_job
         self.cpu_block_bytes = factor * layout.bytes_per_block
-        self._base = np.array([s.base for s in segments], dtype=np.int64)
-        self._stride = np.array([s.stride for s in segments], dtype=np.int64)
-        self._nbytes = np.array([s.nbytes for s in segments], dtype=np.int64)
-        self._cpu_offset = factor * (np.cumsum(self._nbytes) - self._nbytes)
+        self._segment = np.array([r.segment for r in rows], dtype=np.int64)
+        self._base = np.array([r.base for r in rows], dtype=np.int64)
+        self._stride = np.array([r.stride for r in rows], dtype=np.int64)
+        self._nbytes = np.array([r.nbytes for r in rows], dtype=np.int64)
+        self._cpu_offset = np.array([r.cpu_offset for r in rows], dtype=np.int64)
         self._sub_blocks = np.arange(factor, dtype=np.int64)
         # Where block i may continue the run of block i-1 (consecutive ids on both sides):
-        # on the device, only in segments whose blocks are packed; in the pool, within a
-        # CPU block, and across CPU blocks only when a CPU block is a single segment.
+        # on the device, only in rows whose blocks are packed; in the pool, within a
+        # CPU block, and across CPU blocks only when a CPU block is a single row.
         self._packed = self._stride == self._nbytes
-        self._runs_cross_cpu_blocks = len(segments) == 1
-        self._rows = list(
-            zip(
-                self._base.tolist(),
-                self._stride.tolist(),
-                self._nbytes.tolist(),
-                self._cpu_offset.tolist(),
-                self._packed.tolist(),
-                strict=True,
-            )
-        )
+        self._runs_cross_cpu_blocks = len(rows) == 1
+        self._rows = rows
 
     def runs(self, device_ids: IdArray, cpu_ids: IdArray, *, to_cpu: bool) -> CopyRuns:
         """The runs of one job; ids are validated already (``len(device_ids) == factor *
@@ -89,7 +82,7 @@ class BlockMapping:
         pairs = sorted(zip(device_ids, subs, strict=True), key=itemgetter(1 if to_cpu else 0))
         columns: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         segment, device_offset, cpu_offset, nbytes = columns
-        for index, (base, stride, size, offset, packed) in enumerate(self._rows):
+        for index, base, stride, size, offset, packed in self._rows:
             previous = (-2, -2)
             for device, sub in pairs:
                 if packed and previous == (device - 1, sub - 1) and (cross or sub % k):
@@ -111,17 +104,75 @@ class BlockMapping:
         follows[1:] = (device[1:] == device[:-1] + 1) & (sub[1:] == sub[:-1] + 1)
         if not self._runs_cross_cpu_blocks:
             follows[1:] &= sub[1:] % k != 0
+        if not follows.any():  # random ids: one run per (row, pair), in that order
+            return self._unmerged_runs(device, sub)
         starts = np.flatnonzero(~(follows & self._packed[:, None]))  # over [segment, block]
-        segment, block = starts // n, starts % n
+        row, block = starts // n, starts % n
         lengths = np.empty_like(starts)
         lengths[:-1] = starts[1:] - starts[:-1]
         lengths[-1] = n * len(self._rows) - starts[-1]
         first_sub = sub[block]
         return CopyRuns(
-            segment=segment,
-            device_offset=self._base[segment] + device[block] * self._stride[segment],
+            segment=self._segment[row],
+            device_offset=self._base[row] + device[block] * self._stride[row],
             cpu_offset=(first_sub // k) * self.cpu_block_bytes
-            + self._cpu_offset[segment]
-            + (first_sub % k) * self._nbytes[segment],
-            nbytes=lengths * self._nbytes[segment],
+            + self._cpu_offset[row]
+            + (first_sub % k) * self._nbytes[row],
+            nbytes=lengths * self._nbytes[row],
         )
+
+    def _unmerged_runs(self, device: IdArray, sub: IdArray) -> CopyRuns:
+        """What the general case gives when no pair continues another, in fewer calls."""
+        k, n = self.factor, len(device)
+        within = self._cpu_offset[:, None] + (sub // k * self.cpu_block_bytes)
+        if k > 1:
+            within += (sub % k) * self._nbytes[:, None]
+        return CopyRuns(
+            segment=np.repeat(self._segment, n),
+            device_offset=(self._base[:, None] + device * self._stride[:, None]).ravel(),
+            cpu_offset=within.ravel(),
+            nbytes=np.repeat(self._nbytes, n),
+        )
+
+
+class _Row(NamedTuple):
+    """Consecutive segments copied as one: ``nbytes`` from ``base + block * stride`` of
+    ``segment``'s storage, to ``cpu_offset`` inside the (first sub-block of a) CPU block.
+    """
+
+    segment: int
+    base: int
+    stride: int
+    nbytes: int
+    cpu_offset: int
+    packed: bool
+
+
+def _rows_of(layout: KVLayout, factor: int) -> list[_Row]:
+    """The layout's segments, with neighbours merged where a block's bytes of segment
+    ``s + 1`` follow those of segment ``s`` both on the device (same storage, same stride,
+    adjacent) and in the pool (``factor == 1``: a CPU block is then the device block's
+    segments back to back). Per-layer views of one cross-layer tensor (``cache[:, layer]``)
+    merge so into one row of whole blocks, which also coalesces across blocks.
+    """
+    storage = [layout.storages[s.tensor_index].data_ptr() for s in layout.segments]
+    rows: list[_Row] = []
+    cpu_offset = 0
+    for index, segment in enumerate(layout.segments):
+        last = rows[-1] if rows else None
+        if (
+            last is not None
+            and factor == 1
+            and storage[last.segment] == storage[index]
+            and last.stride == segment.stride
+            and last.base + last.nbytes == segment.base
+        ):
+            nbytes = last.nbytes + segment.nbytes
+            rows[-1] = last._replace(nbytes=nbytes, packed=segment.stride == nbytes)
+        else:
+            packed = segment.stride == segment.nbytes
+            rows.append(
+                _Row(index, segment.base, segment.stride, segment.nbytes, cpu_offset, packed)
+            )
+        cpu_offset += factor * segment.nbytes
+    return rows
