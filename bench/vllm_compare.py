@@ -42,7 +42,7 @@ import numpy
 
 from kvoffload.manager import OffloadManager
 from kvoffload.traces import BUNDLED_TRACES, bundled_trace
-from kvoffload_spec.surface import Lookup
+from manager_bench import replay
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("lru", "arc")
@@ -138,28 +138,6 @@ def as_keys(requests: Sequence[Sequence[int | str]]) -> list[list[bytes]]:
     return out
 
 
-def replay_ours(manager: OffloadManager, requests: Sequence[Sequence[bytes]]) -> tuple[int, int]:
-    calls = hits = 0
-    for request in requests:
-        found = 0
-        for key in request:
-            calls += 1
-            if manager.lookup(key) is not Lookup.HIT:
-                break
-            found += 1
-        hits += found
-        if found:
-            manager.complete_load(manager.prepare_load(request[:found]))
-            calls += 2
-        plan = manager.prepare_store(request[found:])
-        manager.touch(request)
-        calls += 2
-        if plan is not None:
-            manager.complete_store(plan)
-            calls += 1
-    return calls, hits
-
-
 def replay_vllm(
     manager: Any, context: Callable[[str], Any], requests: Sequence[Sequence[bytes]]
 ) -> tuple[int, int]:
@@ -193,7 +171,7 @@ def replay_vllm(
 def replay_fresh_ours(
     blocks: int, policy: str, requests: Sequence[Sequence[bytes]]
 ) -> tuple[int, int]:
-    return replay_ours(OffloadManager(blocks, policy), requests)
+    return replay(OffloadManager(blocks, policy), requests)
 
 
 def replay_fresh_vllm(
