@@ -108,7 +108,7 @@ class KvoffloadManager(OffloadingManager):
         # A policy that reads a touch of a ready key as a second use (ARC) must not hear a
         # request's own completed stores as reuse; a recency-only one (LRU) must, or the
         # request's tail and head end in the wrong order.
-        self._touch_own_stores = not getattr(type(self.manager.policy), "touch_counts_reuse", False)
+        self._touch_own_stores = not self.manager.policy.touch_counts_reuse
         self._store_plan_of: dict[OffloadKey, StorePlan] = {}  # pending key -> its open plan
         self._store_left: dict[int, set[OffloadKey]] = {}  # plan id -> keys not completed yet
         self._load_plans: defaultdict[frozenset[OffloadKey], deque[LoadPlan]] = defaultdict(deque)
@@ -290,6 +290,14 @@ class KvoffloadManager(OffloadingManager):
             self.manager.touch(keys)
 
 
+def _require_cpu_spec(spec: LoadStoreSpec) -> None:
+    # vLLM's input, so a typed error rather than an assert (gone under python -O)
+    if not isinstance(spec, CPULoadStoreSpec):
+        raise InvalidArgumentError(
+            f"the CPU side of a job must be a CPULoadStoreSpec, got {spec!r}"
+        )
+
+
 def _vllm_event(event: Event) -> OffloadingEvent:
     keys = [OffloadKey(key) for key in event.keys]
     if isinstance(event, BlocksStored):
@@ -365,7 +373,7 @@ class KvoffloadWorker(OffloadingWorker):
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
-        assert isinstance(dst_spec, CPULoadStoreSpec)
+        _require_cpu_spec(dst_spec)
         if not self._aligned(src_spec, dst_spec):
             return False
         self._track(job_id, self.engine.submit_store(src_spec.block_ids, dst_spec.block_ids))
@@ -378,7 +386,7 @@ class KvoffloadWorker(OffloadingWorker):
         dst_spec: GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
-        assert isinstance(src_spec, CPULoadStoreSpec)
+        _require_cpu_spec(src_spec)
         if not self._aligned(dst_spec, src_spec):
             return False
         self._track(job_id, self.engine.submit_load(src_spec.block_ids, dst_spec.block_ids))
