@@ -30,6 +30,7 @@ from kvoffload_spec.surface import (
     Key,
     LoadPlan,
     Lookup,
+    Plan,
     RemovalReason,
     StorePlan,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "LoadPlan",
     "Lookup",
     "OffloadError",
+    "Plan",
     "PlanAlreadyAbandonedError",
     "PlanAlreadyCompletedError",
     "PlanError",

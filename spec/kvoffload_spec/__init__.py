@@ -24,6 +24,7 @@ from kvoffload_spec.surface import (
     Key,
     LoadPlan,
     Lookup,
+    Plan,
     RemovalReason,
     StorePlan,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "Lookup",
     "OffloadError",
     "OffloadModel",
+    "Plan",
     "PlanAlreadyAbandonedError",
     "PlanAlreadyCompletedError",
     "PlanError",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvoffload_spec.defaults import DEFAULT_MAX_TRACKER_SIZE
 from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError
 from kvoffload_spec.policies import POLICY_NAMES, new_order
 from kvoffload_spec.state import SpecState, invariant_violations
@@ -44,7 +45,7 @@ class OffloadModel:
         policy: str = "lru",
         *,
         store_threshold: int = 1,
-        max_tracker_size: int = 64_000,
+        max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
         enable_events: bool = False,
     ) -> None:
         check_count("num_blocks", num_blocks)

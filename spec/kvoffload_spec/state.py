@@ -29,6 +29,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvoffload_spec.defaults import DEFAULT_MAX_TRACKER_SIZE
 from kvoffload_spec.policies import (
     DUEL_HISTORY,
     ArcOrder,
@@ -76,7 +77,7 @@ class SpecState:
     open_plans: dict[int, StorePlan | LoadPlan] = field(default_factory=dict)
     next_plan_id: int = 0
     store_threshold: int = 1
-    max_tracker_size: int = 64_000
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
     offers: dict[Key, int] = field(default_factory=dict)  # least recently offered first
     events: list[Event] | None = None
     owner: int = 0
@@ -88,7 +89,7 @@ class SpecState:
         num_blocks: int,
         order: PolicyOrder,
         store_threshold: int = 1,
-        max_tracker_size: int = 64_000,
+        max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
         enable_events: bool = False,
         owner: int = 0,
     ) -> SpecState:
