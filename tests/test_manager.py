@@ -19,8 +19,7 @@ from kvoffload.manager import OffloadManager
 from kvoffload.policies import ArcPolicy, EvictionPolicy, LruPolicy, PolicyContractError
 from kvoffload.policies.recency import unprotected
 from kvoffload.stats import ManagerStats
-from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
-from kvoffload_spec.model import SpecViolation
+from kvoffload_spec.errors import InvalidArgumentError, SpecViolation, UnknownPolicyError
 from kvoffload_spec.surface import BlocksRemoved, BlocksStored, Key, Lookup, RemovalReason
 
 
@@ -536,8 +535,7 @@ def test_sampled_duel_matches_the_spec() -> None:
             assert victims == order.choose_victims(need, outside(protected))
             assert victims is not None
             policy.evict(victims)
-            for key in victims:
-                order.evicted(key)
+            order.evict(victims)
         for key in absent:
             policy.insert(key)
             policy.mark_evictable(key)

@@ -34,9 +34,9 @@ from kvoffload_spec.errors import (
     BlockPendingError,
     ForeignPlanError,
     InvalidArgumentError,
+    SpecViolation,
     UnknownPolicyError,
 )
-from kvoffload_spec.model import SpecViolation
 from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
 from kvoffload_spec.surface import Key, LoadPlan, StorePlan
 
@@ -125,8 +125,8 @@ class PolicyAgainstSpec(RuleBasedStateMachine):
         assert chosen == expected
         if chosen is not None:
             self.policy.evict(chosen)
+            self.order.evict(chosen)
             for victim in chosen:
-                self.order.evicted(victim)
                 del self.status[victim]
 
     @precondition(lambda self: len(self.status) == len(KEYS))  # rarely: it wipes the state
@@ -243,8 +243,7 @@ def ghosts(policy: ArcPolicy, order: ArcOrder, in_b1: int, in_b2: int) -> tuple[
         victims = policy.choose_victims(count, ())
         assert victims is not None and victims == order.choose_victims(count, lambda _: True)
         policy.evict(victims)
-        for victim in victims:
-            order.evicted(victim)
+        order.evict(victims)
         return stored
 
     from_t2 = store(in_b2, twice=True)
@@ -613,28 +612,31 @@ def corrupt_offers(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
 
 
 CORRUPTIONS = [
-    (corrupt_slot_shared, r"resident slots .* overlap or leak"),
-    (corrupt_slot_leaked, r"resident slots .* overlap or leak"),
-    (corrupt_slot_negative, r"a slot lies outside \[0, 6\) or beyond the pool"),
-    (corrupt_slot_beyond_pool, r"a slot lies outside \[0, 7\) or beyond the pool"),
-    (corrupt_slot_at_the_top, r"a slot lies outside \[0, 5\) or beyond the pool"),
-    (corrupt_heap, r"the free-slot heap \[5, 4\] is out of order"),
-    (corrupt_heap_deeper, r"the free-slot heap \[4, 7, 5, 6\] is out of order"),
-    (corrupt_counter, r"evictable counter 3, but 2 are"),
+    (corrupt_slot_shared, r"resident block ids .* overlap or leak"),
+    (corrupt_slot_leaked, r"resident block ids .* overlap or leak"),
+    (corrupt_slot_negative, r"a block id lies outside \[0, 6\) or beyond the pool"),
+    (corrupt_slot_beyond_pool, r"a block id lies outside \[0, 7\) or beyond the pool"),
+    (corrupt_slot_at_the_top, r"a block id lies outside \[0, 5\) or beyond the pool"),
+    (corrupt_heap, r"the free heap \[5, 4\] is out of order"),
+    (corrupt_heap_deeper, r"the free heap \[4, 7, 5, 6\] is out of order"),
+    (corrupt_counter, r"evictable counter is 3 but 2 blocks are ready with no refs"),
     (corrupt_opening_times, r"the open plans and their opening times disagree"),
-    (corrupt_abandoned_unknown, r"abandoned plan 99 is not an open store plan"),
-    (corrupt_abandoned_load_quarantines, r"abandoned plan \d+ is not an open store plan"),
-    (corrupt_quarantine_outside_plan, r"abandoned plan StorePlan\(.*\) quarantines slots \(4,\)"),
-    (corrupt_plan_never_issued, r"open plan \d+ was never issued"),
-    (corrupt_plan_from_the_future, r"open plan \d+ was never issued"),
+    (corrupt_abandoned_unknown, r"abandoned plan 99 is not an open store plan: None"),
+    (
+        corrupt_abandoned_load_quarantines,
+        r"abandoned plan \d+ is not an open store plan: LoadPlan\(.*\)",
+    ),
+    (corrupt_quarantine_outside_plan, r"abandoned plan StorePlan\(.*\) quarantines slots \[4\]"),
+    (corrupt_plan_never_issued, r"an open plan has an id that was never issued"),
+    (corrupt_plan_from_the_future, r"an open plan belongs to a future generation"),
     (corrupt_pending_elsewhere, r"3 is pending on plan 99, which is not open now"),
     (corrupt_load_slot, r"2 in slot 0 does not match open plan LoadPlan\(.*\)"),
-    (corrupt_refs, r"refs by slot \{0: 1, 2: 1\}, but current load plans read \{2: 1\}"),
+    (corrupt_refs, r"0 has refs 1 but current load plans read it 0 times"),
     (corrupt_policy, r"policy order \[.*\] does not hold exactly the resident keys"),
     (corrupt_policy_same_size, r"policy order \[.*\] does not hold exactly the resident keys"),
     (corrupt_pending_on_abandoned, r"3 is pending on plan \d+, which is not open now"),
     (corrupt_lru_stamps, r"LRU stamps repeat"),
-    (corrupt_offers, r"offer tracker holds \d+ keys"),
+    (corrupt_offers, r"offer tracker holds \d+ > \d+"),
 ]
 
 
@@ -658,8 +660,8 @@ def test_check_invariants_lists_every_problem_apart() -> None:
     with pytest.raises(SpecViolation) as raised:
         manager.check_invariants()
     problems = str(raised.value).split("; ")
-    assert reported(problems, r"evictable counter \d+, but \d+ are")
-    assert reported(problems, r"the free-slot heap \[.*\] is out of order")
+    assert reported(problems, r"evictable counter is \d+ but \d+ blocks are ready with no refs")
+    assert reported(problems, r"the free heap \[.*\] is out of order")
 
 
 # -- constructor arguments, defaults and plan ownership -----------------------------------------
@@ -717,5 +719,5 @@ def test_a_repeated_free_slot_is_an_overlap_not_a_heap_disorder() -> None:
     with pytest.raises(SpecViolation) as raised:
         manager.check_invariants()
     problems = str(raised.value).split("; ")
-    assert reported(problems, r"resident slots .* overlap or leak")
-    assert not reported(problems, r"the free-slot heap .*")
+    assert reported(problems, r"resident block ids .* overlap or leak")
+    assert not reported(problems, r"the free heap .*")

@@ -35,8 +35,7 @@ from kvoffload.manager import OffloadManager
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.lru import LruPolicy
-from kvoffload_spec.errors import OffloadError
-from kvoffload_spec.model import SpecViolation
+from kvoffload_spec.errors import OffloadError, SpecViolation
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
 
 MAX_BLOCKS = 3

@@ -14,13 +14,18 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from kvoffload.policies.base import EvictionPolicy, PolicyContractError
 from kvoffload.policies.loading import resolve_policy
 from kvoffload.sharded import AscendingDict, ShardedDict
 from kvoffload.stats import ManagerStats, Tally
-from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, InvalidArgumentError
-from kvoffload_spec.model import SpecViolation
+from kvoffload_spec.errors import (
+    BlockNotFoundError,
+    BlockPendingError,
+    InvalidArgumentError,
+    SpecViolation,
+)
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -42,6 +47,9 @@ from kvoffload_spec.validation import (
     check_open_plan,
     check_seconds,
 )
+
+if TYPE_CHECKING:
+    from kvoffload_spec.state import SpecState
 
 
 def _zeros(length: int) -> array[int]:
@@ -351,10 +359,50 @@ class OffloadManager:
         return taken
 
     def check_invariants(self) -> None:
-        """Raise ``SpecViolation`` if any invariant of the design fails (O(n log n))."""
-        problems = self._invariant_violations()
+        """Raise ``SpecViolation`` if any invariant of the design fails (O(n log n)): the
+        tables must be well formed, and the spec state they stand for
+        (:meth:`abstract_state`) must satisfy every invariant of the spec.
+        """
+        from kvoffload_spec.state import invariant_violations
+
+        problems = self._representation_violations()
+        try:
+            problems += invariant_violations(self.abstract_state())
+        except Exception as error:  # malformed tables may not even map to a state
+            problems.append(f"the tables stand for no spec state: {error!r}")
         if problems:
             raise SpecViolation("; ".join(problems))
+
+    def abstract_state(self) -> SpecState:
+        """The refinement mapping: the spec state these tables stand for (O(n log n); see
+        ``kvoffload_spec.refinement``). Each call builds a fresh state; changing it changes
+        nothing here. The policy contributes its order (``EvictionPolicy.abstract_order``);
+        a policy the spec does not know stands as an LRU order of ``resident()``.
+        """
+        from kvoffload_spec.policies import LruOrder
+        from kvoffload_spec.state import Block, SpecState
+
+        refs, storing = self._refs, self._storing
+        order = self._policy.abstract_order()
+        return SpecState(
+            num_blocks=self._num_blocks,
+            order=LruOrder(self._policy.resident()) if order is None else order,
+            blocks={
+                key: Block(slot, refs[slot], storing.get(key))
+                for key, slot in self._slot_of.items()
+            },
+            free_slots=sorted([*self._freed, *range(self._fresh, self._num_blocks)]),
+            num_evictable=self._num_evictable,
+            generation=self._generation,
+            open_plans=dict(self._open_plans.items()),
+            next_plan_id=self._next_plan_id,
+            store_threshold=self._store_threshold,
+            max_tracker_size=self._max_tracker_size,
+            offers=dict(self._offers),
+            events=None if self._events is None else list(self._events),
+            owner=self._owner,
+            abandoned={plan_id: list(slots) for plan_id, slots in self._abandoned.items()},
+        )
 
     # -- prepare_store, step by step -------------------------------------------------------
 
@@ -520,76 +568,35 @@ class OffloadManager:
         del self._opened_at[checked.plan_id]
         return checked
 
-    def _invariant_violations(self) -> list[str]:
-        """Every invariant of docs/spec.md this manager breaks, in words."""
+    def _representation_violations(self) -> list[str]:
+        """What is wrong with the tables themselves, in words: what the abstraction cannot
+        show (the spec's invariants cover everything it can)."""
         problems: list[str] = []
         slots = list(self._slot_of.values())
         quarantined = [slot for held in self._abandoned.values() for slot in held]
         every_slot = slots + self._freed + quarantined
         if len(set(every_slot)) != len(every_slot) or len(every_slot) != self._fresh:
             problems.append(
-                f"resident slots {slots}, freed {self._freed} and quarantined {quarantined} "
-                "overlap or leak"
+                f"resident block ids {slots}, freed {self._freed} and quarantined "
+                f"{quarantined} overlap or leak"
             )
         if any(not 0 <= slot < self._fresh <= self._num_blocks for slot in every_slot):
-            problems.append(f"a slot lies outside [0, {self._fresh}) or beyond the pool")
+            problems.append(f"a block id lies outside [0, {self._fresh}) or beyond the pool")
         freed = self._freed
         if any(freed[(child - 1) // 2] > freed[child] for child in range(1, len(freed))):
-            problems.append(f"the free-slot heap {freed} is out of order")
-        counted = sum(1 for key in self._slot_of if self._is_evictable(key))
-        if counted != self._num_evictable:
-            problems.append(f"evictable counter {self._num_evictable}, but {counted} are")
-        problems += self._plan_violations()
+            problems.append(f"the free heap {freed} is out of order")
+        if any(key not in self._slot_of for key in self._storing):
+            problems.append(f"pending keys {list(self._storing)} are not all resident")
+        ready = {slot for key, slot in self._slot_of.items() if key not in self._storing}
+        stray = [slot for slot, count in enumerate(self._refs) if count and slot not in ready]
+        if stray:
+            problems.append(f"block ids {stray} have refs but hold no ready block")
+        if self._opened_at.keys() != self._open_plans.keys():
+            problems.append("the open plans and their opening times disagree")
         policy = self._policy
         order = policy.resident()
         if len(order) != len(self._slot_of) or set(order) != set(self._slot_of):
             problems.append(f"policy order {order} does not hold exactly the resident keys")
         else:
             problems += policy.check_invariants(self._is_evictable)
-        if len(self._offers) > self._max_tracker_size:
-            problems.append(f"offer tracker holds {len(self._offers)} keys")
-        return problems
-
-    def _plan_violations(self) -> list[str]:
-        """The open plans agree with the blocks: a current store plan's keys that are still
-        resident are pending on it in its slots, and each slot's refs count its occurrences
-        in current load plans.
-        """
-        problems: list[str] = []
-        if self._opened_at.keys() != self._open_plans.keys():
-            problems.append("the open plans and their opening times disagree")
-        for plan_id, quarantine in self._abandoned.items():
-            abandoned = self._open_plans.get(plan_id)
-            if abandoned is None or (quarantine and not isinstance(abandoned, StorePlan)):
-                problems.append(f"abandoned plan {plan_id} is not an open store plan")
-            elif abandoned.generation == self._generation and not set(quarantine) <= set(
-                abandoned.block_ids
-            ):
-                problems.append(f"abandoned plan {abandoned!r} quarantines slots {quarantine}")
-        expected_refs: dict[int, int] = {}
-        for plan_id, plan in self._open_plans.items():
-            if plan_id >= self._next_plan_id or plan.generation > self._generation:
-                problems.append(f"open plan {plan_id} was never issued")
-            if plan.generation != self._generation or plan_id in self._abandoned:
-                continue  # stale or abandoned: it holds no block
-            for key, slot in zip(plan.keys, plan.block_ids, strict=True):
-                if isinstance(plan, LoadPlan):
-                    expected_refs[slot] = expected_refs.get(slot, 0) + 1
-                    wanted = self._is_ready(key)
-                else:
-                    wanted = self._storing.get(key) == plan_id
-                if not wanted or self._slot_of.get(key) != slot:
-                    problems.append(f"{key!r} in slot {slot} does not match open plan {plan!r}")
-        for key, plan_id in self._storing.items():
-            storing = self._open_plans.get(plan_id)
-            if (
-                key not in self._slot_of
-                or storing is None
-                or storing.generation != self._generation
-                or plan_id in self._abandoned
-            ):
-                problems.append(f"{key!r} is pending on plan {plan_id}, which is not open now")
-        refs = {slot: count for slot, count in enumerate(self._refs) if count}
-        if refs != expected_refs:
-            problems.append(f"refs by slot {refs}, but current load plans read {expected_refs}")
         return problems

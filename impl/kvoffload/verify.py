@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,9 +30,7 @@ from kvoffload_spec.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
     from kvoffload.conformance import ManagerLike
-    from kvoffload.manager import OffloadManager
     from kvoffload.policies.base import EvictionPolicy
-    from kvoffload_spec.explore import Fingerprint
 
 EXPLORE_BLOCKS = 2
 # Four keys, so that a store can need two victims (two absent keys, two evictable others);
@@ -135,26 +133,6 @@ def _check_seconds(name: str, value: object) -> float:
     return float(value)
 
 
-def manager_fingerprint(manager: OffloadManager, plan_names: Mapping[int, int]) -> Fingerprint:
-    """The explorer's fingerprint of an ``OffloadManager``: its policy's order and counts.
-
-    The explorer itself keeps where each key is, the plans in flight and the pool's bytes;
-    this adds what only the manager knows. ARC's ghosts and target are part of its order. A
-    policy of your own is known by ``resident()`` alone, so states that differ only in its
-    hidden fields are explored once: coverage can shrink, a reported violation cannot be
-    false.
-    """
-    from kvoffload.policies.arc import ArcPolicy
-    from kvoffload_spec.explore import Fingerprint
-
-    policy = manager.policy
-    if isinstance(policy, ArcPolicy):
-        order: tuple[object, ...] = (*map(tuple, policy.lists()), policy.p)
-    else:
-        order = (tuple(policy.resident()),)
-    return Fingerprint((order, manager.num_free_blocks, manager.num_evictable_blocks))
-
-
 def _exploration(
     policy_class: type[EvictionPolicy], deadline: float, report: VerifyReport
 ) -> CheckResult:
@@ -165,7 +143,6 @@ def _exploration(
         lambda: OffloadManager(EXPLORE_BLOCKS, policy_class, enable_events=True),
         keys=EXPLORE_KEYS,
         depth=EXPLORE_MAX_DEPTH,
-        fingerprint=manager_fingerprint,
         max_seconds=max(deadline - time.monotonic(), 0.01),
     )
     pool = f"a pool of {EXPLORE_BLOCKS} blocks, keys {', '.join(EXPLORE_KEYS)}"

@@ -14,9 +14,10 @@ from kvoffload_spec.errors import (
     PlanAlreadyAbandonedError,
     PlanAlreadyCompletedError,
     PlanError,
+    SpecViolation,
     UnknownPolicyError,
 )
-from kvoffload_spec.model import OffloadModel, SpecViolation
+from kvoffload_spec.model import OffloadModel
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,

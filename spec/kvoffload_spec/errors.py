@@ -47,3 +47,8 @@ class ForeignPlanError(PlanError):
 
 class PlanAlreadyAbandonedError(PlanError):
     """The plan was abandoned before; abandon a plan once, then complete it once."""
+
+
+class SpecViolation(AssertionError):
+    """An invariant of the design does not hold: a bug in the model or the manager (not an
+    ``OffloadError``: no caller's misuse causes it)."""

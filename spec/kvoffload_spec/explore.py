@@ -54,7 +54,7 @@ import traceback
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, NamedTuple, TypeVar, cast
+from typing import Generic, TypeVar, cast
 
 from kvoffload_spec.errors import (
     BlockNotFoundError,
@@ -65,7 +65,19 @@ from kvoffload_spec.errors import (
     PlanAlreadyCompletedError,
 )
 from kvoffload_spec.model import OffloadModel
-from kvoffload_spec.policies import POLICY_NAMES, DuelOrder
+from kvoffload_spec.operations import (
+    ABANDON,
+    COMPLETE_LOAD,
+    COMPLETE_STORE,
+    PREPARE_LOAD,
+    PREPARE_STORE,
+    RESET,
+    TOUCH,
+    Operation,
+    perform,
+)
+from kvoffload_spec.policies import POLICY_NAMES
+from kvoffload_spec.refinement import Fingerprint, abstract, copy_state, fingerprint
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -90,116 +102,35 @@ System = ManagerSurface
 S = TypeVar("S", bound=System)
 
 
-class Fingerprint(NamedTuple):
-    """A system's state, canonical: equal fingerprints, equal futures.
-
-    ``cache`` is what no failed call may change; ``tracker`` what a refused
-    ``prepare_store`` may: its observations (the offers it records, ARC's ghost hits).
-    """
-
-    cache: Hashable
-    tracker: Hashable = ()
-
-
 FingerprintFn = Callable[[S, Mapping[int, int]], Fingerprint]
 """``fingerprint(system, plan_names)``: ``plan_names`` renames the ids of the plans the
 explorer holds to small numbers; a fingerprint must name plans only through it."""
 
 
-def model_fingerprint(model: OffloadModel, plan_names: Mapping[int, int]) -> Fingerprint:
-    """The fingerprint of the reference model: blocks, free slots, counter, order, tracker.
+def model_fingerprint(system: object, plan_names: Mapping[int, int]) -> Fingerprint:
+    """The fingerprint of any system that states its abstraction (the reference model, the
+    production manager): that of its spec state (:func:`kvoffload_spec.refinement.fingerprint`).
 
     Plan ids and generations are left out (a pending block names its plan by its renamed
     number), and so are the open plans: the explorer holds them, and its second
-    completions show whether the model agrees.
+    completions show whether the system agrees.
     """
-    state = model.state
-    blocks = sorted(
-        (repr(key), block.slot, block.refs, _renamed(block.store_plan, plan_names))
-        for key, block in state.blocks.items()
-    )
-    order, observed = state.order.fingerprint()
-    abandoned = sorted(
-        (_renamed(plan_id, plan_names), tuple(slots)) for plan_id, slots in state.abandoned.items()
-    )
-    cache = (tuple(blocks), tuple(state.free_slots), state.num_evictable, order, tuple(abandoned))
-    return Fingerprint(cache, (tuple(state.offers.items()), observed))
-
-
-def _model_fingerprint_only(system: object, plan_names: Mapping[int, int]) -> Fingerprint:
-    if not isinstance(system, OffloadModel):
+    state = abstract(system)
+    if state is None:
         raise InvalidArgumentError(
-            f"explore needs a fingerprint for {type(system).__name__}: the default is "
-            "OffloadModel's"
+            f"explore needs a fingerprint for {type(system).__name__}: it states no "
+            "abstraction (abstract_state())"
         )
-    return model_fingerprint(system, plan_names)
-
-
-def _renamed(plan_id: int | None, plan_names: Mapping[int, int]) -> int | None:
-    return None if plan_id is None else plan_names.get(plan_id, -1)
+    return fingerprint(state, plan_names)
 
 
 def clone_model(model: OffloadModel) -> OffloadModel:
-    """A deep copy of the reference model, several times faster than ``copy.deepcopy``:
-    plans, events and keys are immutable, so the copy shares them and copies only the
-    containers, the blocks and the order. A field it does not know is deep-copied."""
-    state = model.state
-    twin = _shallow(state)
-    for name, value in vars(state).items():
-        if name == "blocks":
-            value = {key: _shallow(block) for key, block in value.items()}
-        elif name == "order" and isinstance(value, DuelOrder):
-            value = value.copy()
-        elif name == "order":
-            value = _shallow(value, copy_lists=True)
-        elif name == "abandoned":
-            value = {plan_id: list(slots) for plan_id, slots in value.items()}
-        elif name in _FLAT_FIELDS and value is not None:
-            value = type(value)(value)
-        elif not isinstance(value, (int, float, str, type(None))):
-            value = copy.deepcopy(value)
-        setattr(twin, name, value)
-    clone = _shallow(model)
-    clone.state = twin
-    return clone
-
-
-# Containers of immutable values: a shallow copy is a deep one.
-_FLAT_FIELDS = frozenset({"free_slots", "open_plans", "offers", "events"})
-
-T = TypeVar("T")
-
-
-def _shallow(obj: T, *, copy_lists: bool = False) -> T:
-    """``copy.copy`` for a plain object, without its generic machinery (the hot path)."""
-    twin = object.__new__(type(obj))
-    fields = vars(obj)
-    if copy_lists:
-        fields = {name: list(v) if isinstance(v, list) else v for name, v in fields.items()}
-    vars(twin).update(fields)
-    return twin
+    """A deep copy of the reference model, several times faster than ``copy.deepcopy``
+    (see :func:`kvoffload_spec.refinement.copy_state`)."""
+    return OffloadModel.from_state(copy_state(model.state), model.policy)
 
 
 # -- operations ----------------------------------------------------------------------------
-
-PREPARE_STORE, PREPARE_LOAD, TOUCH = "prepare_store", "prepare_load", "touch"
-COMPLETE_STORE, COMPLETE_LOAD, RESET = "complete_store", "complete_load", "reset_cache"
-ABANDON = "abandon"
-
-
-@dataclass(frozen=True)
-class Operation:
-    """One call. ``plan`` is the index of a held plan (completions only); ``malformed``
-    appends an unhashable key to ``keys``."""
-
-    name: str
-    keys: tuple[Key, ...] = ()
-    plan: int = -1
-    success: bool = True
-    malformed: bool = False
-
-    def arguments(self) -> list[Key]:
-        return [*self.keys, []] if self.malformed else list(self.keys)  # type: ignore[list-item]
 
 
 def key_sequences(keys: Sequence[Key]) -> list[tuple[Key, ...]]:
@@ -427,21 +358,9 @@ class _Checker(Generic[S]):
         return None, False
 
     def _call(self, system: S, node: _Node[S], op: Operation) -> StorePlan | LoadPlan | None:
-        if op.name == PREPARE_STORE:
-            return system.prepare_store(op.arguments())
-        if op.name == PREPARE_LOAD:
-            return system.prepare_load(op.arguments())
-        if op.name == TOUCH:
-            system.touch(op.arguments())
-        elif op.name == RESET:
-            system.reset_cache()
-        elif op.name == ABANDON:
-            system.abandon(node.held[op.plan].plan)
-        elif op.name == COMPLETE_STORE:
-            system.complete_store(cast(StorePlan, node.held[op.plan].plan), op.success)
-        else:
-            system.complete_load(cast(LoadPlan, node.held[op.plan].plan))
-        return None
+        plan = node.held[op.plan].plan if op.plan >= 0 else None
+        result = perform(system, op, plan)
+        return result if isinstance(result, (StorePlan, LoadPlan)) else None
 
     def _advance(
         self, node: _Node[S], system: S, op: Operation, result: StorePlan | LoadPlan | None
@@ -649,11 +568,13 @@ def explore(
 ) -> Report:
     """Explore every state ``make_system()`` reaches in at most ``depth`` calls on ``keys``.
 
-    ``fingerprint`` and ``clone`` default to :func:`model_fingerprint` and
-    :func:`clone_model`, for :class:`OffloadModel`; give a fingerprint for any other
-    system (``clone`` then defaults to ``copy.deepcopy``). ``store_threshold`` is the
-    system's: with 1, a store's candidates are checked exactly. ``checks`` picks families
-    from :data:`CHECKS`: leave out ``"events"`` for a system built without events.
+    ``fingerprint`` defaults to :func:`model_fingerprint`, the fingerprint of the system's
+    abstraction, which works for every system that states one (``abstract_state()``: the
+    reference model, ``OffloadManager``); give one for any other system. ``clone``
+    defaults to :func:`clone_model` for the model, else ``copy.deepcopy``.
+    ``store_threshold`` is the system's: with 1, a store's candidates are checked exactly.
+    ``checks`` picks families from :data:`CHECKS`: leave out ``"events"`` for a system
+    built without events.
     ``max_seconds`` stops the search early; the report then says how deep it was complete.
     Raises :class:`InvalidArgumentError` on a bad argument, before exploring.
     """
@@ -670,12 +591,15 @@ def explore(
     if max_seconds is not None and not max_seconds > 0:
         raise InvalidArgumentError(f"max_seconds must be positive, got {max_seconds!r}")
     if fingerprint is None:
-        fingerprint = cast(FingerprintFn[S], _model_fingerprint_only)
-        clone = clone or cast(Callable[[S], S], clone_model)
-    checker = _Checker(
-        fingerprint, clone or copy.deepcopy, alphabet, store_threshold, frozenset(checks)
-    )
+        fingerprint = cast(FingerprintFn[S], model_fingerprint)
+    if clone is None:
+        clone = cast(Callable[[S], S], _clone)
+    checker = _Checker(fingerprint, clone, alphabet, store_threshold, frozenset(checks))
     return _Search(checker, make_system, _keyed_operations(alphabet)).run(depth, max_seconds)
+
+
+def _clone(system: object) -> object:
+    return clone_model(system) if type(system) is OffloadModel else copy.deepcopy(system)
 
 
 class _Search(Generic[S]):

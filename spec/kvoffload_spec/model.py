@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvoffload_spec.defaults import DEFAULT_MAX_TRACKER_SIZE
-from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError
+from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, SpecViolation
 from kvoffload_spec.policies import POLICY_NAMES, new_order
 from kvoffload_spec.state import SpecState, invariant_violations
 from kvoffload_spec.surface import Event, Key, LoadPlan, Lookup, PlanT, StorePlan, new_owner_id
@@ -30,10 +30,6 @@ from kvoffload_spec.validation import (
     check_open_plan,
     check_policy_name,
 )
-
-
-class SpecViolation(AssertionError):
-    """An invariant of the design does not hold: a bug in the model or the manager."""
 
 
 class OffloadModel:
@@ -58,6 +54,19 @@ class OffloadModel:
             enable_events=check_flag("enable_events", enable_events),
             owner=new_owner_id(),
         )
+
+    @classmethod
+    def from_state(cls, state: SpecState, policy: str = "lru") -> OffloadModel:
+        """A model that carries on from ``state`` (which it takes over, not a copy): e.g. the
+        abstraction of a manager, to check one step of it against the spec's transition."""
+        model = cls.__new__(cls)
+        model.policy = policy
+        model.state = state
+        return model
+
+    def abstract_state(self) -> SpecState:
+        """The spec state this model stands for: its own (the refinement mapping's identity)."""
+        return self.state
 
     # -- read-only views -------------------------------------------------------------------
 

@@ -3,8 +3,16 @@
 A policy only keeps an *order* of resident keys (and, for ARC, ghosts of evicted ones). It
 never decides on its own which blocks may go: the state passes ``can_evict``, which is false
 for pinned, pending and protected blocks. A policy's ``choose_victims`` changes nothing; the
-state commits the choice with ``evicted`` once the whole store is known to succeed, so a
+state commits the choice with ``evict`` once the whole store is known to succeed, so a
 failed ``prepare_store`` leaves the order exactly as it was.
+
+The verbs are those of the product's ``kvoffload.EvictionPolicy``: ``insert``, ``remove``
+(left without being evicted), ``evict``, ``touch``, ``on_store_miss`` (an optional hook: a
+no-op unless a policy learns from misses), ``choose_victims``, ``resident`` and ``clear``.
+Two differ by design: the spec passes ``choose_victims`` a predicate ``can_evict`` (it
+derives evictability from the state each time), where a product policy hears
+``mark_evictable`` / ``mark_unevictable`` as it changes and receives only the protected
+keys; and a spec order has a ``fingerprint``, a product policy its ``abstract_order``.
 
 Lists are in recency order: index 0 is the least recent. Recency comes from insertion and
 ``touch`` alone; loads and pinning never move a key.
@@ -19,8 +27,17 @@ from zlib import crc32
 from kvoffload_spec.surface import Key
 
 
+class Order:
+    """What every spec order shares: the optional hooks, as no-ops."""
+
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        """``prepare_store`` is about to place ``keys`` (absent, admitted), before it asks
+        for victims; called also when the store is then refused. Learns nothing by default.
+        """
+
+
 @dataclass
-class LruOrder:
+class LruOrder(Order):
     """Least recently used first."""
 
     order: list[Key] = field(default_factory=list)
@@ -32,12 +49,9 @@ class LruOrder:
         """``key`` left without being evicted (its store failed)."""
         self.order.remove(key)
 
-    def evicted(self, key: Key) -> None:
-        self.order.remove(key)
-
-    def on_store_miss(self, keys: Sequence[Key]) -> None:
-        """``prepare_store`` is about to place ``keys`` (absent, admitted): LRU learns nothing
-        from a miss."""
+    def evict(self, victims: Sequence[Key]) -> None:
+        for key in victims:
+            self.order.remove(key)
 
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         # Reversed, so that the first key ends up most recent: a prefix's tail is evicted
@@ -64,7 +78,7 @@ class LruOrder:
 
 
 @dataclass
-class ArcOrder:
+class ArcOrder(Order):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST'03), as adapted in vLLM.
 
     T1 holds keys seen once, T2 keys touched again while ready; B1 and B2 are ghosts of keys
@@ -95,16 +109,17 @@ class ArcOrder:
         else:
             self.t2.remove(key)
 
-    def evicted(self, key: Key) -> None:
-        if key in self.t1:
-            self.t1.remove(key)
-            self.b1.append(key)
-        else:
-            self.t2.remove(key)
-            self.b2.append(key)
-        # Ghosts are bounded by the capacity: the least recent ghost is forgotten first.
-        del self.b1[: max(0, len(self.b1) - self.capacity)]
-        del self.b2[: max(0, len(self.b2) - self.capacity)]
+    def evict(self, victims: Sequence[Key]) -> None:
+        for key in victims:
+            if key in self.t1:
+                self.t1.remove(key)
+                self.b1.append(key)
+            else:
+                self.t2.remove(key)
+                self.b2.append(key)
+            # Ghosts are bounded by the capacity: the least recent ghost is forgotten first.
+            del self.b1[: max(0, len(self.b1) - self.capacity)]
+            del self.b2[: max(0, len(self.b2) - self.capacity)]
 
     def on_store_miss(self, keys: Sequence[Key]) -> None:
         """``prepare_store`` is about to place ``keys`` (distinct, absent, admitted): each
@@ -314,7 +329,7 @@ class ShadowPool:
 
 
 @dataclass
-class DuelOrder:
+class DuelOrder(Order):
     """Victims in LRU or in LRU-2 order, whichever would have served more prefix hits lately.
 
     LRU wins when the pool holds the workload's reuse distances, LRU-2 (used-once keys
@@ -352,11 +367,9 @@ class DuelOrder:
     def remove(self, key: Key) -> None:
         self.uses.drop(key)
 
-    def evicted(self, key: Key) -> None:
-        self.uses.forget(key)
-
-    def on_store_miss(self, keys: Sequence[Key]) -> None:
-        """Nothing to learn here: the shadows hear whole requests, in ``touch``."""
+    def evict(self, victims: Sequence[Key]) -> None:
+        for key in victims:
+            self.uses.forget(key)
 
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         for shadow in self.shadows:

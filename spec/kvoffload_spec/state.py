@@ -214,8 +214,8 @@ class SpecState:
         for key in victims:
             assert self.evictable(key) and key not in distinct
             self._release_slot(self.blocks.pop(key).slot)
-            self.order.evicted(key)
             self.num_evictable -= 1
+        self.order.evict(victims)
         self._emit(BlocksRemoved(tuple(victims), RemovalReason.EVICTED))
         slots = self.free_slots[: len(candidates)]
         del self.free_slots[: len(candidates)]

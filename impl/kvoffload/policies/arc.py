@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.recency import stamp_ordered, unprotected
 from kvoffload.sharded import OrderedKeys, ShardedDict
 from kvoffload_spec.surface import Key
+
+if TYPE_CHECKING:
+    from kvoffload_spec.policies import ArcOrder
 
 _END: Any = object()  # no candidate left in a list
 
@@ -193,3 +196,9 @@ class ArcPolicy(EvictionPolicy):
     def _code(self, *, in_t2: bool) -> int:
         self._clock += 1
         return 2 * self._clock + in_t2
+
+    def abstract_order(self) -> ArcOrder:
+        from kvoffload_spec.policies import ArcOrder
+
+        t1, t2, b1, b2 = self.lists()
+        return ArcOrder(self.capacity, t1, t2, b1, b2, self.p)

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Container, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvoffload_spec.surface import Key
+
+if TYPE_CHECKING:
+    from kvoffload_spec.policies import PolicyOrder
 
 
 class PolicyContractError(RuntimeError):
@@ -100,6 +103,14 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def resident(self) -> list[Key]:
         """Every resident key, in the policy's order (for invariant checks and tests)."""
+
+    def abstract_order(self) -> PolicyOrder | None:
+        """The spec's order this policy's structures stand for (its part of the refinement
+        mapping, see ``kvoffload_spec.refinement``), or None for a policy the spec does not
+        define; checkers then follow its victims and compare everything else. The
+        built-ins return their spec twin (O(n log n): for checks and tests).
+        """
+        return None
 
     def check_invariants(self, is_evictable: Callable[[Key], bool]) -> list[str]:
         """What is wrong inside the policy, in words; ``is_evictable`` is the manager's view.

@@ -31,7 +31,7 @@ import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zlib import crc32
 
 from sortedcontainers import SortedKeyList
@@ -40,6 +40,9 @@ from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.recency import stamp_ordered, unprotected
 from kvoffload_spec.policies import DUEL_DECAY, DUEL_HISTORY, DUEL_SAMPLE, DUEL_SAMPLE_MIN
 from kvoffload_spec.surface import Key
+
+if TYPE_CHECKING:
+    from kvoffload_spec.policies import DuelOrder, Lru2Uses
 
 HISTORY = DUEL_HISTORY
 _FIBONACCI = 0x9E3779B97F4A7C15
@@ -293,3 +296,28 @@ class DuelPolicy(EvictionPolicy):
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def abstract_order(self) -> DuelOrder:
+        from kvoffload_spec.policies import DuelOrder, ShadowPool
+
+        lru, lru2 = (
+            ShadowPool(
+                shadow.capacity,
+                shadow.reuse,
+                _spec_uses(shadow.stamps),
+                shadow.mask + 1,
+                shadow.clock,
+                shadow.score,
+            )
+            for shadow in self._shadows
+        )
+        return DuelOrder(self.capacity, _spec_uses(self._stamps), (lru, lru2), self._clock)
+
+
+def _spec_uses(stamps: _Lru2Stamps) -> Lru2Uses:
+    """The spec's LRU-2 bookkeeping that ``stamps`` stand for: each code unpacked."""
+    from kvoffload_spec.policies import Lru2Uses
+
+    last = {key: code & _LAST_MASK for key, code in stamps.codes.items()}
+    penult = {key: (code >> _LAST_BITS) - 1 for key, code in stamps.codes.items()}
+    return Lru2Uses(stamps.limit, last, penult, dict(stamps.history))

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Container, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.recency import stamp_ordered, unprotected
 from kvoffload.sharded import ShardedDict
 from kvoffload_spec.surface import Key
+
+if TYPE_CHECKING:
+    from kvoffload_spec.policies import LruOrder
 
 
 class LruPolicy(EvictionPolicy):
@@ -84,3 +88,8 @@ class LruPolicy(EvictionPolicy):
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def abstract_order(self) -> LruOrder:
+        from kvoffload_spec.policies import LruOrder
+
+        return LruOrder(self.resident())
