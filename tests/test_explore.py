@@ -20,13 +20,13 @@ import kvoffload_spec.explore
 from kvoffload_spec import InvalidArgumentError, LoadPlan, Lookup, OffloadModel, StorePlan
 from kvoffload_spec.explore import (
     CHECKS,
-    Fingerprint,
     clone_model,
     explore,
     key_sequences,
     main,
     model_fingerprint,
 )
+from kvoffload_spec.refinement import Fingerprint
 from kvoffload_spec.surface import Event, Key
 from tests.spec_variants import VARIANTS
 
