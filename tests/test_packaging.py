@@ -47,3 +47,18 @@ def test_the_product_imports_no_checker() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_the_manager_does_not_load_the_spec_state_machine() -> None:
+    """The manager needs the spec's errors, plans and validators, not its model: that loads
+    only when a checker asks for the abstraction."""
+    probe = (
+        "import sys\n"
+        "import kvoffload.manager\n"
+        "machine = ('kvoffload_spec.model', 'kvoffload_spec.state', 'kvoffload_spec.lockstep')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(machine)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert done.stdout.strip() == "[]"

@@ -20,6 +20,11 @@ from kvoffload.policies.base import EvictionPolicy, PolicyContractError
 from kvoffload.policies.loading import resolve_policy
 from kvoffload.sharded import AscendingDict, ShardedDict
 from kvoffload.stats import ManagerStats, Tally
+from kvoffload_spec.defaults import (
+    DEFAULT_MAX_TRACKER_SIZE,
+    DEFAULT_POLICY,
+    DEFAULT_STORE_THRESHOLD,
+)
 from kvoffload_spec.errors import (
     BlockNotFoundError,
     BlockPendingError,
@@ -99,10 +104,10 @@ class OffloadManager:
     def __init__(
         self,
         num_blocks: int,
-        policy: str | type[EvictionPolicy] = "lru",
+        policy: str | type[EvictionPolicy] = DEFAULT_POLICY,
         *,
-        store_threshold: int = 1,
-        max_tracker_size: int = 64_000,
+        store_threshold: int = DEFAULT_STORE_THRESHOLD,
+        max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
         enable_events: bool = False,
         stall_after: float = 300.0,
         clock: Callable[[], float] = time.monotonic,

@@ -4,6 +4,8 @@ Pure Python, standard library only. ``OffloadModel`` is the design document that
 production ``kvoffload.OffloadManager`` is checked against it. See docs/spec.md.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from kvoffload_spec.errors import (
     BlockNotFoundError,
     BlockNotReadyError,
@@ -17,7 +19,6 @@ from kvoffload_spec.errors import (
     SpecViolation,
     UnknownPolicyError,
 )
-from kvoffload_spec.model import OffloadModel
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -29,6 +30,20 @@ from kvoffload_spec.surface import (
     RemovalReason,
     StorePlan,
 )
+
+if TYPE_CHECKING:
+    from kvoffload_spec.model import OffloadModel as OffloadModel
+
+
+def __getattr__(name: str) -> Any:
+    # The state machine loads on first use: a product that needs only the errors and the
+    # plans (``import kvoffload.manager``) never imports it.
+    if name == "OffloadModel":
+        from kvoffload_spec.model import OffloadModel
+
+        return OffloadModel
+    raise AttributeError(f"module 'kvoffload_spec' has no attribute {name!r}")
+
 
 __all__ = [
     "BlockNotFoundError",

@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload_spec.defaults import DEFAULT_MAX_TRACKER_SIZE
+from kvoffload_spec.defaults import (
+    DEFAULT_MAX_TRACKER_SIZE,
+    DEFAULT_POLICY,
+    DEFAULT_STORE_THRESHOLD,
+)
 from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, SpecViolation
 from kvoffload_spec.policies import POLICY_NAMES, new_order
 from kvoffload_spec.state import SpecState, invariant_violations
@@ -38,9 +42,9 @@ class OffloadModel:
     def __init__(
         self,
         num_blocks: int,
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
         *,
-        store_threshold: int = 1,
+        store_threshold: int = DEFAULT_STORE_THRESHOLD,
         max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
         enable_events: bool = False,
     ) -> None:
