@@ -8,7 +8,7 @@ spec/kvoffload_spec/contracts.py), two at a time. Three kinds of run:
   refute every one at once, which proves it gets past the preconditions: in this mode an
   unsatisfiable precondition, or a constructor that always raises, is reported as a plain
   "Not confirmed" with exit status 0, a silent vacuous pass;
-- planted bugs (tests/spec_variants.py): CrossHair must find each.
+- its share of the catalogue of planted bugs (tests/planted/): CrossHair must find each.
 
 Any "Unable to meet precondition" line fails the gate too. The whole module takes about a
 minute on two cores; each target's verdict is shown on the terminal as it comes in.
@@ -38,8 +38,9 @@ from kvoffload_spec.contracts import (
 )
 from kvoffload_spec.state import invariant_violations
 from kvoffload_spec.surface import LoadPlan, StorePlan
+from tests.planted import CROSSHAIR, share
+from tests.planted.spec import CONTRACTS_SOURCE, Variant
 from tests.progress import progress
-from tests.spec_variants import CONTRACTS_SOURCE, VARIANTS, Variant
 
 pytestmark = pytest.mark.slow  # minutes of CrossHair: the full gate, not the inner loop
 
@@ -49,6 +50,8 @@ SPEC_TIMEOUT = 4.0  # CPU seconds per target (a probe found 5 enough for 10 targ
 # A canary or a planted bug is found well within this on an idle core; duel's hardest
 # canaries took 58-89 s with the other tests running beside them.
 FIND_TIMEOUT = 150.0
+# CrossHair's share of the catalogue: the spec copies whose contracts it must refute.
+SHARE = [bug.subject for bug in share(CROSSHAIR) if isinstance(bug.subject, Variant)]
 POSTCONDITION = "        assert not invariant_violations(self)\n\n    def "
 
 
@@ -124,9 +127,8 @@ def runs(
     scratch = tmp_path_factory.mktemp("crosshair")
     jobs = [(target, SPEC_TIMEOUT) for target in spec_targets()]
     jobs += [(target, FIND_TIMEOUT) for target in spec_targets(write_canaries(scratch))]
-    for variant in VARIANTS:
-        if variant.crosshair is not None:
-            jobs.append((f"{variant.write_contracts(scratch)}.{variant.crosshair}", FIND_TIMEOUT))
+    for variant in SHARE:
+        jobs.append((f"{variant.write_contracts(scratch)}.{variant.crosshair}", FIND_TIMEOUT))
     yield crosshair_all(jobs, [scratch], progress(pytestconfig))
 
 
@@ -145,10 +147,8 @@ def test_crosshair_gets_past_every_precondition(runs: dict[str, Run], target: st
     assert "reached" in run.output
 
 
-@pytest.mark.parametrize(
-    "variant", [v for v in VARIANTS if v.crosshair is not None], ids=lambda v: v.name
-)
-def test_crosshair_catches_planted_bugs(runs: dict[str, Run], variant: Variant) -> None:
+@pytest.mark.parametrize("variant", SHARE, ids=lambda v: v.name)
+def test_crosshair_finds_its_share_of_the_catalogue(runs: dict[str, Run], variant: Variant) -> None:
     run = runs[f"broken_contracts_{variant.name}.{variant.crosshair}"]
     assert run.refuted(), f"CrossHair missed the bug: {variant.bug}\n{run.output}"
 

@@ -28,7 +28,7 @@ from kvoffload_spec.explore import (
 )
 from kvoffload_spec.refinement import Fingerprint
 from kvoffload_spec.surface import Event, Key
-from tests.spec_variants import VARIANTS
+from tests.planted.spec import VARIANTS
 
 pytestmark = pytest.mark.slow  # exhaustive exploration at the gate's bounds
 

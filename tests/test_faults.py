@@ -10,7 +10,6 @@ The end-to-end machine at the bottom injects every fault at random, mirrored in 
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Container, Sequence
@@ -18,12 +17,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import Phase, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvoffload import Finished, Offloader, TransferTimeoutError
-from kvoffload.conformance import check_conformance
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.lru import LruPolicy
 from kvoffload.transfer import EngineClosedError
@@ -33,6 +31,7 @@ from kvoffload.transfer.jobs import FaultHook, Job, JobResult
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import PlanAlreadyCompletedError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from tests.planted import FAULTS, ManagerBug, Planted, share
 from tests.test_bad_input import fingerprint
 from tests.test_layout import make_cache, reference_block
 
@@ -323,18 +322,6 @@ def test_an_abandoned_stalled_load_unpins_its_blocks_at_once() -> None:
     rig.close()
 
 
-class AbandonFreesAtOnce(OffloadManager):
-    """What a timeout that completes the store as failed does (vLLM #46019's first fix):
-    the slot is free at once, though the stalled job may still write it.
-    """
-
-    def abandon(self, plan: StorePlan | LoadPlan) -> None:
-        super().abandon(plan)
-        for slot in self._abandoned.pop(plan.plan_id):
-            self._freed.append(slot)
-        self._abandoned[plan.plan_id] = ()
-
-
 def abandon_a_stalled_store_then_reuse_the_pool(rig: Rig) -> bool:
     """A store stalls before it copies; it is abandoned, two keys are stored and
     completed, then the stalled job ends. True if both keys still load their own bytes.
@@ -362,11 +349,13 @@ def test_an_abandoned_store_keeps_its_slot_until_its_job_ends() -> None:
     rig.close()
 
 
-def test_freeing_an_abandoned_slot_at_once_corrupts_a_later_store() -> None:
+@pytest.mark.parametrize("bug", share(FAULTS), ids=lambda bug: bug.name)
+def test_the_fault_scenario_finds_its_share_of_the_catalogue(bug: Planted) -> None:
     """The same history with the slot freed at abandon: the late write lands in a block
     that now holds another key. This is what the quarantine prevents.
     """
-    rig = Rig.build(cpu_blocks=3, manager=AbandonFreesAtOnce(3))
+    assert isinstance(bug.subject, ManagerBug)
+    rig = Rig.build(cpu_blocks=3, manager=bug.subject.make(3))
     assert not abandon_a_stalled_store_then_reuse_the_pool(rig)
     rig.close()
 
@@ -450,63 +439,6 @@ def test_a_pool_held_by_stalled_jobs_refuses_a_store_at_once(held_by: str) -> No
     policy = rig.manager.policy
     assert isinstance(policy, CountingLru) and policy.asked == 0
     rig.close()
-
-
-# -- planted bugs the conformance kit must find -----------------------------------------------
-
-
-class AbandonedLoadKeepsItsPins(OffloadManager):
-    """Abandon marks a load abandoned but leaves its blocks pinned (the leak of #46019)."""
-
-    def abandon(self, plan: StorePlan | LoadPlan) -> None:
-        if (
-            isinstance(plan, LoadPlan)
-            and self._open_plans.get(plan.plan_id) == plan
-            and plan.owner == self._owner
-            and plan.plan_id not in self._abandoned
-        ):
-            self._abandoned[plan.plan_id] = ()
-            return
-        super().abandon(plan)
-
-
-class LateLoadCompletionUnpinsAgain(OffloadManager):
-    """The late completion of an abandoned load releases its pins a second time (the
-    ref-count bugs of LMCache #987 and #1756).
-    """
-
-    def complete_load(self, plan: LoadPlan) -> None:
-        late = isinstance(plan, LoadPlan) and plan.plan_id in self._abandoned
-        super().complete_load(plan)
-        if late and plan.generation == self._generation:
-            for key in plan.keys:
-                if key in self._slot_of:
-                    self._unpin(key)
-
-
-class ResetFreesQuarantine(OffloadManager):
-    """A reset frees every slot, also those abandoned store jobs may still write."""
-
-    def reset_cache(self) -> None:
-        self._abandoned = dict.fromkeys(self._abandoned, ())
-        super().reset_cache()
-
-
-PLANTED = {
-    "abandon frees a store's slots at once": AbandonFreesAtOnce,
-    "abandon keeps a load's pins": AbandonedLoadKeepsItsPins,
-    "a late load completion unpins again": LateLoadCompletionUnpinsAgain,
-    "reset frees the quarantine": ResetFreesQuarantine,
-}
-FIND_ONLY = settings(settings(), phases=(Phase.generate,), database=None, max_examples=10_000)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("bug", PLANTED)
-def test_the_conformance_kit_finds_a_planted_abandon_bug(bug: str) -> None:
-    make = functools.partial(PLANTED[bug], policy="lru")
-    with pytest.raises(AssertionError):
-        check_conformance(make, policy="lru", settings=FIND_ONLY)
 
 
 # -- end to end: every fault at random, mirrored in the spec ---------------------------------

@@ -33,6 +33,7 @@ from kvoffload_spec.operations import (
 )
 from kvoffload_spec.refinement import abstract, copy_state, fingerprint, state_differences
 from kvoffload_spec.state import Block, SpecState
+from tests.planted.manager import CountsATouchAsAnOffer, ForgetsAFailedStoresEvent
 
 POLICIES = ["lru", "arc", "duel"]
 
@@ -118,25 +119,6 @@ def test_every_field_of_a_state_is_compared() -> None:
     twin.order.p = 2.0  # type: ignore[union-attr]
     assert state_differences(twin, base, compare_order=False) == []
     assert state_differences(dataclasses.replace(base, owner=123), base) == []  # identity
-
-
-class ForgetsAFailedStoresEvent(OffloadManager):
-    """Planted: a failed store's keys leave without the event that says so."""
-
-    def _emit(self, keys: list[object], reason: object = None) -> None:
-        if reason is not None and getattr(reason, "name", "") == "STORE_FAILED":
-            return
-        super()._emit(keys, reason)  # type: ignore[arg-type]
-
-
-class CountsATouchAsAnOffer(OffloadManager):
-    """Planted: a touch records offers (an observation only prepare_store may make); only
-    the abstract state shows it: no lookup, count or event differs."""
-
-    def touch(self, keys: object) -> None:
-        super().touch(keys)  # type: ignore[arg-type]
-        for key in keys:  # type: ignore[attr-defined]
-            self._offers[key] = self._offers.get(key, 0) + 1
 
 
 def test_the_driver_reports_the_first_call_that_departs_from_the_spec() -> None:

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.test_faults import AbandonFreesAtOnce
+from tests.planted import SOAK, ManagerBug, Planted, share
 
 pytestmark = pytest.mark.slow  # a quick soak is still half a minute
 
@@ -66,10 +66,14 @@ def test_every_lane_met_every_fault(quick: tuple[dict[str, object], Path]) -> No
         assert all(lane.get(fault, 0) > 0 for fault in faults), lane
 
 
-def test_the_soak_reports_a_manager_that_frees_abandoned_slots_at_once() -> None:
+@pytest.mark.parametrize("bug", share(SOAK), ids=lambda bug: bug.name)
+def test_the_soak_finds_its_share_of_the_catalogue(bug: Planted) -> None:
+    """A manager that frees abandoned slots at once: the soak reports it, naming both
+    answers."""
+    assert isinstance(bug.subject, ManagerBug)
     soak = load_soak()
     report = soak.soak(
-        20_000, seed=1, check_every=500, manager=AbandonFreesAtOnce, with_offloader=False
+        20_000, seed=1, check_every=500, manager=bug.subject.broken, with_offloader=False
     )
     assert report["divergences"] == 1 and report["operations"] < 20_000, report
     assert "the manager gave" in str(report["divergence"])  # it names both answers

@@ -1,0 +1,157 @@
+"""The catalogue of planted bugs: every deliberately broken copy the checks must catch.
+
+Each entry names the bug, says it in words, holds the broken thing (a copy of the spec with
+edited lines, :class:`~tests.planted.spec.Variant`, or a manager built with a broken class,
+:class:`ManagerBug`) and is tagged with the checkers that must find it. tests/test_catalogue.py
+runs each checker on its share (CrossHair's share runs in tests/test_crosshair.py, whose
+CrossHair processes are pooled); a check that cannot fail shows up there as a bug it misses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.manager import OffloadManager
+from kvoffload.policies.base import EvictionPolicy
+from tests.planted import manager as broken
+from tests.planted.spec import VARIANTS, Variant
+
+EXPLORER = "explorer"  # exhaustive exploration of the broken spec (kvoffload_spec.explore)
+CROSSHAIR = "crosshair"  # the spec's contracts, checked symbolically on the broken spec
+CONFORMANCE = "conformance"  # the kit's random lockstep histories against the spec
+DIRECTED = "directed"  # the kit's directed histories alone
+SOAK = "soak"  # bench/soak.py's long random run
+FAULTS = "faults"  # the data path's fault scenario: a stalled store abandoned, the pool reused
+
+CHECKERS = (EXPLORER, CROSSHAIR, CONFORMANCE, DIRECTED, SOAK, FAULTS)
+
+
+@dataclass(frozen=True)
+class ManagerBug:
+    """A manager with a broken class, or with a broken policy; ``policy`` is what the
+    conformance kit compares it with (None: a policy the spec does not know, whose victims
+    the kit follows) and, for a broken manager class, the policy it runs."""
+
+    broken: type[OffloadManager] | type[EvictionPolicy]
+    policy: str | None
+
+    def make(self, num_blocks: int, **options: Any) -> OffloadManager:
+        """A broken manager of ``num_blocks`` (``options`` as ``OffloadManager`` takes)."""
+        if issubclass(self.broken, OffloadManager):
+            return self.broken(num_blocks, self.policy or "lru", **options)
+        return OffloadManager(num_blocks, self.broken, **options)
+
+
+@dataclass(frozen=True)
+class Planted:
+    name: str
+    bug: str
+    subject: Variant | ManagerBug
+    found_by: frozenset[str]
+
+
+def _entry(
+    name: str, broken: type[OffloadManager] | type[EvictionPolicy], policy: str | None, *by: str
+) -> Planted:
+    said = " ".join((broken.__doc__ or name).split())
+    return Planted(name, said, ManagerBug(broken, policy), frozenset(by))
+
+
+_SPEC = tuple(
+    Planted(
+        variant.name,
+        variant.bug,
+        variant,
+        frozenset({EXPLORER} | ({CROSSHAIR} if variant.crosshair else set())),
+    )
+    for variant in VARIANTS
+)
+
+_MANAGERS = (
+    _entry(
+        "counter not restored by complete_load",
+        broken.CounterNotRestoredOnLoad,
+        "lru",
+        CONFORMANCE,
+    ),
+    _entry("nested loads share one pin", broken.NestedLoadsShareOnePin, "lru", CONFORMANCE),
+    _entry(
+        "stale load completion applied",
+        broken.StaleLoadCompletionApplied,
+        "arc",
+        CONFORMANCE,
+    ),
+    _entry(
+        "stale store completion applied",
+        broken.StaleStoreCompletionApplied,
+        "lru",
+        CONFORMANCE,
+    ),
+    _entry("ARC without fallback", broken.ArcWithoutFallbackToT1, "arc", CONFORMANCE),
+    _entry("pinning changes LRU recency", broken.LruRestampedWhenUnpinned, "lru", CONFORMANCE),
+    _entry(
+        "duel: a touch of a pending block is a reuse",
+        broken.DuelTouchOfPendingIsReuse,
+        "duel",
+        CONFORMANCE,
+    ),
+    _entry("duel follows LRU-2 on a tie", broken.DuelFollowsLru2OnATie, "duel", CONFORMANCE),
+    _entry("user policy refuses a store that fits", broken.GivesUpOnProtected, None, CONFORMANCE),
+    _entry(
+        "touch deduplicated keeping the last (LRU)",
+        broken.TouchDeduplicatedKeepingTheLast,
+        "lru",
+        CONFORMANCE,
+        DIRECTED,
+    ),
+    _entry(
+        "touch deduplicated keeping the last (ARC)",
+        broken.TouchDeduplicatedKeepingTheLast,
+        "arc",
+        CONFORMANCE,
+        DIRECTED,
+    ),
+    _entry(
+        "ARC target adapted by whole blocks",
+        broken.ArcIntegerTarget,
+        "arc",
+        CONFORMANCE,
+        DIRECTED,
+    ),
+    _entry(
+        "abandon frees a store's slots at once",
+        broken.AbandonFreesAtOnce,
+        "lru",
+        CONFORMANCE,
+        SOAK,
+        FAULTS,
+    ),
+    _entry("abandon keeps a load's pins", broken.AbandonedLoadKeepsItsPins, "lru", CONFORMANCE),
+    _entry(
+        "a late load completion unpins again",
+        broken.LateLoadCompletionUnpinsAgain,
+        "lru",
+        CONFORMANCE,
+    ),
+    _entry("reset frees the quarantine", broken.ResetFreesQuarantine, "lru", CONFORMANCE),
+    _entry(
+        "a failed store's removal is not reported",
+        broken.ForgetsAFailedStoresEvent,
+        "lru",
+        CONFORMANCE,
+    ),
+    _entry("a touch counts as an offer", broken.CountsATouchAsAnOffer, "lru", CONFORMANCE),
+)
+
+CATALOGUE: tuple[Planted, ...] = _SPEC + _MANAGERS
+"""Every planted bug, spec copies first."""
+
+
+def share(checker: str) -> list[Planted]:
+    """The bugs ``checker`` must find."""
+    return [bug for bug in CATALOGUE if checker in bug.found_by]
+
+
+def named(name: str) -> Planted:
+    return next(bug for bug in CATALOGUE if bug.name == name)
