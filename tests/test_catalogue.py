@@ -13,12 +13,14 @@ from hypothesis import Phase, settings
 
 from kvoffload.conformance import ConformanceError, check_conformance, check_directed_histories
 from kvoffload_spec.explore import explore
+from kvoffload_spec.tiers import TierRules, explore_tiers
 from tests.planted import (
     CATALOGUE,
     CHECKERS,
     CONFORMANCE,
     DIRECTED,
     EXPLORER,
+    TIERS,
     ManagerBug,
     Planted,
     share,
@@ -81,3 +83,14 @@ def test_the_directed_histories_find_their_share(bug: Planted) -> None:
     broken = manager_bug(bug)
     with pytest.raises(ConformanceError, match="the directed history of"):
         check_directed_histories(broken.make, policy=broken.policy)
+
+
+@pytest.mark.parametrize("bug", cases(TIERS, slow=True))
+def test_the_tier_explorer_finds_its_share(bug: Planted) -> None:
+    """Each bug shows within 7 steps, on a pool of one block and of two."""
+    assert isinstance(bug.subject, TierRules)
+    found = [
+        explore_tiers(blocks=blocks, keys=("a", "b"), depth=7, rules=bug.subject)
+        for blocks in (1, 2)
+    ]
+    assert any(report.violation is not None for report in found), f"{bug.bug}: not found"

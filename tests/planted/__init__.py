@@ -1,8 +1,9 @@
 """The catalogue of planted bugs: every deliberately broken copy the checks must catch.
 
 Each entry names the bug, says it in words, holds the broken thing (a copy of the spec with
-edited lines, :class:`~tests.planted.spec.Variant`, or a manager built with a broken class,
-:class:`ManagerBug`) and is tagged with the checkers that must find it. tests/test_catalogue.py
+edited lines, :class:`~tests.planted.spec.Variant`; a manager built with a broken class,
+:class:`ManagerBug`; or broken remote-tier rules, a ``TierRules`` subclass) and is tagged
+with the checkers that must find it. tests/test_catalogue.py
 runs each checker on its share (CrossHair's share runs in tests/test_crosshair.py, whose
 CrossHair processes are pooled); a check that cannot fail shows up there as a bug it misses.
 """
@@ -14,7 +15,9 @@ from typing import Any
 
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.base import EvictionPolicy
+from kvoffload_spec.tiers import TierRules
 from tests.planted import manager as broken
+from tests.planted import tiers as broken_tiers
 from tests.planted.spec import VARIANTS, Variant
 
 EXPLORER = "explorer"  # exhaustive exploration of the broken spec (kvoffload_spec.explore)
@@ -23,8 +26,9 @@ CONFORMANCE = "conformance"  # the kit's random lockstep histories against the s
 DIRECTED = "directed"  # the kit's directed histories alone
 SOAK = "soak"  # bench/soak.py's long random run
 FAULTS = "faults"  # the data path's fault scenario: a stalled store abandoned, the pool reused
+TIERS = "tier explorer"  # exhaustive exploration of the pool with the remote tier (spec)
 
-CHECKERS = (EXPLORER, CROSSHAIR, CONFORMANCE, DIRECTED, SOAK, FAULTS)
+CHECKERS = (EXPLORER, CROSSHAIR, CONFORMANCE, DIRECTED, SOAK, FAULTS, TIERS)
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class ManagerBug:
 class Planted:
     name: str
     bug: str
-    subject: Variant | ManagerBug
+    subject: Variant | ManagerBug | TierRules
     found_by: frozenset[str]
 
 
@@ -144,7 +148,19 @@ _MANAGERS = (
     _entry("a touch counts as an offer", broken.CountsATouchAsAnOffer, "lru", CONFORMANCE),
 )
 
-CATALOGUE: tuple[Planted, ...] = _SPEC + _MANAGERS
+_TIERS = tuple(
+    Planted(rules.__name__, " ".join((rules.__doc__ or "").split()), rules(), frozenset({TIERS}))
+    for rules in (
+        broken_tiers.AcceptsAnotherKeysValue,
+        broken_tiers.AcceptsAPartialValue,
+        broken_tiers.AcceptsAForeignValue,
+        broken_tiers.TreatsAMissAsAHit,
+        broken_tiers.FreesAnAbandonedFetchsSlot,
+        broken_tiers.WritesBackLate,
+    )
+)
+
+CATALOGUE: tuple[Planted, ...] = _SPEC + _MANAGERS + _TIERS
 """Every planted bug, spec copies first."""
 
 
