@@ -43,10 +43,10 @@ def free_port() -> int:
 class ValkeyServer:
     """One server process; ``start()`` waits until it answers PING."""
 
-    def __init__(self, port: int | None = None, *, maxmemory: str | None = None) -> None:
+    def __init__(self, port: int | None = None, **config: str) -> None:
         self.binary = server_binary()
         self.port = port or free_port()
-        self.maxmemory = maxmemory
+        self.config = config  # more server options: maxmemory="2mb", ...
         self._dir = tempfile.TemporaryDirectory(prefix="kvoffload-valkey-")
         self.log = Path(self._dir.name) / "server.log"
         self.process: subprocess.Popen[bytes] | None = None
@@ -69,8 +69,8 @@ class ValkeyServer:
             "--loglevel", "warning",
             "--logfile", str(self.log),
         ]  # fmt: skip
-        if self.maxmemory is not None:
-            arguments += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        for name, value in self.config.items():
+            arguments += [f"--{name.replace('_', '-')}", value]
         self.process = subprocess.Popen(
             arguments, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
