@@ -7,7 +7,6 @@ fixture); corrupt values are planted with the plain client, under the store's ow
 
 from __future__ import annotations
 
-import random
 import tracemalloc
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -16,23 +15,19 @@ import numpy as np
 import pytest
 import valkey
 
-from kvoffload.tiers import Namespace, RemoteStats, RemoteStore, StoreClosedError, ValkeyStore
+from kvoffload.tiers import Namespace, RemoteStore, StoreClosedError, ValkeyStore
 from kvoffload.tiers import valkey_store as valkey_store_module
 from kvoffload.tiers.values import HEADER_BYTES, encode_key, frame
 from kvoffload_spec.errors import InvalidArgumentError, OffloadError
+from tests.remote_support import LAYOUT, assert_accounted, blocks
 from tests.valkey_server import ValkeyServer
 
 KiB, MiB = 1 << 10, 1 << 20
-LAYOUT = {"model": "tiny-llama", "dtype": "bfloat16", "block_tokens": 16, "layers": 2}
 
 
-def blocks(count: int, size: int, seed: int = 0) -> list[bytes]:
-    rng = random.Random(seed)
-    return [rng.randbytes(size) for _ in range(count)]
-
-
-def store_on(server: ValkeyServer, namespace: object = None, **options: float) -> ValkeyStore:
-    return ValkeyStore(server.url, namespace=namespace or LAYOUT, **options)  # type: ignore[arg-type]
+def store_on(server: ValkeyServer, namespace: object = None) -> ValkeyStore:
+    # a timeout no busy machine reaches: these tests expect every call to succeed
+    return ValkeyStore(server.url, namespace=namespace or LAYOUT, timeout_s=10)  # type: ignore[arg-type]
 
 
 def raw(server: ValkeyServer) -> valkey.Valkey:
@@ -47,19 +42,6 @@ def info(client: valkey.Valkey, section: str) -> dict[str, Any]:
 
 def server_key(store: ValkeyStore, key: Hashable) -> bytes:
     return store.namespace.key_prefix + encode_key(key)
-
-
-def assert_accounted(stats: RemoteStats) -> None:
-    assert stats.hits + stats.misses + stats.rejected + stats.unavailable == stats.keys_requested
-    assert stats.rejected == (
-        stats.rejected_malformed
-        + stats.rejected_foreign
-        + stats.rejected_wrong_key
-        + stats.rejected_length
-        + stats.rejected_checksum
-    )
-    assert stats.keys_stored + stats.keys_not_stored == stats.keys_offered
-    assert stats.failures == (stats.timeouts + stats.connection_errors + stats.server_errors), stats
 
 
 # -- round trips ---------------------------------------------------------------------------

@@ -351,14 +351,14 @@ class ValkeyStore:
                     except valkey.ResponseError as error:
                         # The error reply was read whole: the stream is still in step.
                         answers.append(error)
-                        self._fail("server_errors", str(error), down=False)
+                        self._fail("server_errors", error, down=False)
                 return answers
             except valkey.TimeoutError as error:
-                self._fail("timeouts", str(error))
+                self._fail("timeouts", error)
             except (valkey.ConnectionError, OSError) as error:
-                self._fail("connection_errors", str(error))
+                self._fail("connection_errors", error)
             except valkey.ValkeyError as error:
-                self._fail("server_errors", str(error))
+                self._fail("server_errors", error)
             return None
 
     def _connected(self) -> _Connection:
@@ -377,7 +377,7 @@ class ValkeyStore:
         if self._connection is not None:
             self._connection.disconnect()
 
-    def _fail(self, counter: str, message: str, *, down: bool = True) -> None:
+    def _fail(self, counter: str, error: BaseException | str, *, down: bool = True) -> None:
         if down:
             self._drop()
             self._down_until = time.monotonic() + self._retry_after_s
@@ -385,7 +385,7 @@ class ValkeyStore:
             self._stats = replace(
                 self._stats,
                 failures=self._stats.failures + 1,
-                last_error=f"{counter}: {message}",
+                last_error=f"{counter}: {_describe(error)}",
                 **{counter: getattr(self._stats, counter) + 1},
             )
 
@@ -394,6 +394,10 @@ class ValkeyStore:
             self._stats = replace(
                 self._stats, **{name: getattr(self._stats, name) + n for name, n in deltas.items()}
             )
+
+
+def _describe(error: BaseException | str) -> str:
+    return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
 
 
 def _pack(verb: bytes, args: list[bytes]) -> list[bytes]:
