@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import replace
 from typing import Any, Protocol, cast
 
 import valkey
@@ -113,7 +113,8 @@ class ValkeyStore:
         self._down_until = 0.0
         self._io = threading.Lock()
         self._counting = threading.Lock()
-        self._stats = RemoteStats()
+        self._counts: Counter[str] = Counter()
+        self._last_error: str | None = None
 
     # -- the surface ---------------------------------------------------------------------
 
@@ -220,7 +221,7 @@ class ValkeyStore:
     def stats(self) -> RemoteStats:
         with self._counting:
             down = time.monotonic() < self._down_until
-            return replace(self._stats, server_down=down)
+            return RemoteStats(**self._counts, server_down=down, last_error=self._last_error)
 
     def close(self) -> None:
         """Drop the connection; further calls raise :class:`StoreClosedError`."""
@@ -322,15 +323,16 @@ class ValkeyStore:
         prefix = len(self._namespace.key_prefix)
         for key, payload in zip(keys, payloads, strict=True):
             head = header(self._namespace, key[prefix:], payload)
-            pieces.append(b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(head) + payload.nbytes))
-            pieces.append(head)
+            size = len(head) + payload.nbytes
             if payload.nbytes < _JOIN_BELOW:
-                pieces.append(payload.tobytes())
+                pieces.append(
+                    b"$%d\r\n%s\r\n$%d\r\n%s%s\r\n" % (len(key), key, size, head, payload)
+                )
             else:
+                pieces.append(b"$%d\r\n%s\r\n$%d\r\n%s" % (len(key), key, size, head))
                 chunks.append(b"".join(pieces))
                 chunks.append(payload)
-                pieces = []
-            pieces.append(b"\r\n")
+                pieces = [b"\r\n"]
         chunks.append(b"".join(pieces))
         return chunks
 
@@ -382,18 +384,13 @@ class ValkeyStore:
             self._drop()
             self._down_until = time.monotonic() + self._retry_after_s
         with self._counting:
-            self._stats = replace(
-                self._stats,
-                failures=self._stats.failures + 1,
-                last_error=f"{counter}: {_describe(error)}",
-                **{counter: getattr(self._stats, counter) + 1},
-            )
+            self._counts["failures"] += 1
+            self._counts[counter] += 1
+            self._last_error = f"{counter}: {_describe(error)}"
 
     def _count(self, **deltas: int) -> None:
         with self._counting:
-            self._stats = replace(
-                self._stats, **{name: getattr(self._stats, name) + n for name, n in deltas.items()}
-            )
+            self._counts.update(deltas)
 
 
 def _describe(error: BaseException | str) -> str:
