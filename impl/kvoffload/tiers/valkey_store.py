@@ -286,7 +286,8 @@ class ValkeyStore:
             return [None] * len(encoded)
         values = replies[0]
         if not isinstance(values, list) or len(values) != len(encoded):
-            self._fail("server_errors", f"MGET answered {type(values).__name__}")
+            with self._io:  # out of step with the server: drop the connection
+                self._fail("server_errors", f"MGET answered {type(values).__name__}")
             self._count(unavailable=len(encoded))
             return [None] * len(encoded)
         found: list[memoryview | None] = []
