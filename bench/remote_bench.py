@@ -146,7 +146,7 @@ def throughput(
         client_gbps = payload / statistics.median(plain) / 1e9
         # each sample's two runs are adjacent in time, so share the machine's state of the
         # moment: the median of the per-sample ratios is steadier than a ratio of medians
-        ratio = statistics.median(theirs_s / ours_s for ours_s, theirs_s in zip(mine, plain))
+        ratio = statistics.median([b / a for a, b in zip(mine, plain, strict=True)])
         rows.append(
             Throughput(
                 operation,
