@@ -206,8 +206,8 @@ def test_the_remote_benchmark_starts_its_server_and_writes_what_it_prints(
         (operation, size) for operation in ("put", "get") for size in (64 << 10, 2 << 20)
     }
     for row in throughput:
-        store, client, ratio = assert_positive_numbers(row, "store_gbps", "client_gbps", "ratio")
-        assert math.isclose(ratio, store / client, rel_tol=0.02), row
+        # the ratio is the median of each sample's own ratio, not a ratio of the medians
+        (ratio,) = assert_positive_numbers(row, "store_gbps", "client_gbps", "ratio")[2:]
         target = row["target"]
         assert isinstance(target, float) and row["met"] is (ratio >= target)
     assert printed["targets_met"] is all(row["met"] for row in throughput)
