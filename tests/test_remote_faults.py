@@ -234,3 +234,25 @@ def test_stats_are_a_snapshot() -> None:
     before = store.stats()
     store.get([1])
     assert before == RemoteStats() and store.stats() != before
+
+
+def test_a_store_inherited_by_a_forked_child_connects_anew(valkey_server: ValkeyServer) -> None:
+    import os
+
+    store = store_for(valkey_server.url)
+    assert store.put([0], [b"parent"]) == [True]
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its own connection, never the parent's socket
+        try:
+            ok = store.put([1], [b"child"]) == [True] and store.stats().connects == 2
+            os.write(writer, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(writer)
+    assert os.read(reader, 1) == b"1"
+    os.close(reader)
+    os.waitpid(child, 0)
+    # the parent's connection is untouched by the child's: still the first one, in step
+    assert [v and v.tobytes() for v in store.get([0, 1])] == [b"parent", b"child"]
+    assert store.stats().connects == 1 and store.stats().failures == 0
