@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import valkey
@@ -73,7 +73,7 @@ class ValkeyStore:
         self,
         url: str,
         *,
-        namespace: str | dict[str, Any] | Namespace,
+        namespace: str | Mapping[str, Any] | Namespace,
         timeout_s: float = 0.5,
         retry_after_s: float = 1.0,
     ) -> None:
