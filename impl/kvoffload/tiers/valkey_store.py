@@ -292,12 +292,13 @@ class ValkeyStore:
             return [None] * len(encoded)
         found: list[memoryview | None] = []
         counts: dict[str, int] = {"hits": 0, "misses": 0, "rejected": 0, "bytes_received": 0}
+        prefix = len(self._namespace.key_prefix)
         for key, value in zip(encoded, values, strict=True):
             if value is None:
                 counts["misses"] += 1
                 found.append(None)
                 continue
-            payload = payload_of(self._namespace, key[len(self._namespace.key_prefix) :], value)
+            payload = payload_of(self._namespace, key[prefix:], value)
             if isinstance(payload, Rejection):
                 counts["rejected"] += 1
                 name = f"rejected_{payload.value}"

@@ -104,7 +104,9 @@ class Namespace:
                 "every engine read every other engine's blocks"
             )
         digest = hashlib.blake2b(
-            text.encode("utf-8"), digest_size=FINGERPRINT_BYTES, person=b"kvoffload-ns"
+            text.encode("utf-8", "surrogatepass"),
+            digest_size=FINGERPRINT_BYTES,
+            person=b"kvoffload-ns",
         ).digest()
         return cls(text, digest)
 
