@@ -350,3 +350,22 @@ def test_a_put_copies_no_payload_and_a_get_no_more_than_the_client(
     assert client_peak >= payload_bytes  # the client's reply holds the bytes once at least
     assert store_peak <= client_peak + payload_bytes // 20
     assert store.stats().bytes_copied == 0
+
+
+def test_blocks_go_from_a_torch_pool_slot_and_come_back_into_another(
+    valkey_server: ValkeyServer,
+) -> None:
+    """The path an engine takes: a CPU pool slot's bytes out, a free slot filled in place."""
+    import torch
+
+    kv = torch.randn(4, 2, 16, 1024, dtype=torch.bfloat16)  # 4 blocks of 64 KiB, bf16
+    pool = kv.view(4, -1).view(torch.uint8)  # the same memory, one row of bytes per block
+    store = store_on(valkey_server)
+    assert store.put(["a", "b"], [pool[0].numpy().data, pool[1].numpy().data]) == [True] * 2
+    before = kv.clone()
+    assert store.get_into(["b", "missing"], [pool[3].numpy().data, pool[2].numpy().data]) == [
+        True,
+        False,
+    ]
+    assert torch.equal(kv[3], before[1]) and torch.equal(kv[:3], before[:3])
+    assert store.stats().bytes_copied == pool[0].numel()
