@@ -10,8 +10,12 @@ Select with ``KVOFFLOAD_HYPOTHESIS_PROFILE`` (default ``ci``):
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
+
+from tests.valkey_server import ValkeyServer
 
 settings.register_profile(
     "ci",
@@ -38,3 +42,10 @@ settings.register_profile(
     suppress_health_check=list(HealthCheck),
 )
 settings.load_profile(os.environ.get("KVOFFLOAD_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def valkey_server() -> Iterator[ValkeyServer]:
+    """A real Valkey server of this test's own on 127.0.0.1 (tests/valkey_server.py)."""
+    with ValkeyServer() as server:
+        yield server

@@ -50,6 +50,13 @@ def rows(result: dict[str, object], name: str, field: str = "rows") -> list[dict
     return found
 
 
+def listed(result: dict[str, object], name: str) -> list[dict[str, object]]:
+    found = result[name]
+    assert isinstance(found, list) and found
+    assert all(isinstance(row, dict) for row in found)
+    return found
+
+
 def assert_positive_numbers(row: dict[str, object], *fields: str) -> list[float]:
     values: list[float] = []
     for field in fields:
@@ -176,3 +183,36 @@ def test_the_vllm_comparison_says_why_it_measures_nothing_without_vllm() -> None
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("vllm_compare: skipped: vLLM is not importable here"), done.stdout
+
+
+def test_the_remote_benchmark_starts_its_server_and_writes_what_it_prints(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "remote.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "remote_bench.py"), "--quick", "--json", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    printed: dict[str, object] = json.loads(done.stdout)
+    assert json.loads(out.read_text(encoding="utf-8")) == printed
+    assert printed["benchmark"] == "remote" and printed["quick"] is True
+    assert str(printed["server"]).startswith(("Valkey server", "Redis server"))
+    throughput = listed(printed, "throughput")
+    assert {(r["operation"], r["block_bytes"]) for r in throughput} == {
+        (operation, size) for operation in ("put", "get") for size in (64 << 10, 2 << 20)
+    }
+    for row in throughput:
+        # the ratio is the median of each sample's own ratio, not a ratio of the medians
+        (ratio,) = assert_positive_numbers(row, "store_gbps", "client_gbps", "ratio")[2:]
+        target = row["target"]
+        assert isinstance(target, float) and row["met"] is (ratio >= target)
+    assert printed["targets_met"] is all(row["met"] for row in throughput)
+    for row in listed(printed, "copies"):
+        assert row["operation"] in ("put", "get") and row["store_bytes_copied"] == 0
+        assert_positive_numbers(row, "store_alloc_per_byte", "client_alloc_per_byte")
+    for row in listed(printed, "latency"):
+        assert_positive_numbers(row, "store_median_us", "store_p99_us", "client_median_us")

