@@ -95,8 +95,8 @@ def test_every_field_of_a_state_is_compared() -> None:
     model.touch(["a"])
     base = model.state
     changes: dict[str, Callable[[SpecState], object]] = {
-        "blocks": lambda s: s.blocks.__setitem__("a", Block(s.blocks["a"].slot, refs=1)),
-        "free block ids": lambda s: s.free_slots.append(9),
+        "blocks": lambda s: s.blocks.__setitem__("a", Block(s.blocks["a"].block_id, refs=1)),
+        "free block ids": lambda s: s.free_block_ids.append(9),
         "evictable counter": lambda s: setattr(s, "num_evictable", 0),
         "generation": lambda s: setattr(s, "generation", 5),
         "open plans": lambda s: s.open_plans.__setitem__(99, next(iter(base.open_plans.values()))),

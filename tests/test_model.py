@@ -56,9 +56,9 @@ def only_closes(model: OffloadModel, plan: StorePlan | LoadPlan) -> Iterator[Non
     """Nothing changes but ``plan`` being closed (what a stale completion may do)."""
     state = model.state
     assert plan.plan_id in state.open_plans
-    before = repr((state.blocks, state.free_slots, state.num_evictable, state.order))
+    before = repr((state.blocks, state.free_block_ids, state.num_evictable, state.order))
     yield
-    assert repr((state.blocks, state.free_slots, state.num_evictable, state.order)) == before
+    assert repr((state.blocks, state.free_block_ids, state.num_evictable, state.order)) == before
     assert plan.plan_id not in state.open_plans
     model.check_invariants()
 

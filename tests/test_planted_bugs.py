@@ -63,7 +63,7 @@ def test_the_outside_checks_find_every_bug_without_the_systems_own_invariants(
         ("unchanged", "stale_store_completion_applied", "a stale completion changed"),
         ("unchanged", "completion_keeps_plan_open", "second completion of the same"),
         ("data", "stale_store_completion_applied", "a load of 'a' starts reading"),
-        ("data", "abandon_frees_slots", "store of 'a' takes slot 0: an abandoned job"),
+        ("data", "abandon_frees_slots", "store of 'a' takes block id 0: an abandoned job"),
     ],
 )
 def test_each_family_of_checks_catches_a_bug_alone(
@@ -90,4 +90,4 @@ def test_the_stale_completion_bug_reads_as_data_corruption() -> None:
     )
     assert data_only.violation is not None
     assert data_only.violation.steps[-1] == "prepare_load(['a'])"
-    assert data_only.violation.message == "data: a load of 'a' starts reading slot 0: garbage"
+    assert data_only.violation.message == "data: a load of 'a' starts reading block id 0: garbage"

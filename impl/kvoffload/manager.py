@@ -396,7 +396,7 @@ class OffloadManager:
                 key: Block(slot, refs[slot], storing.get(key))
                 for key, slot in self._slot_of.items()
             },
-            free_slots=sorted([*self._freed, *range(self._fresh, self._num_blocks)]),
+            free_block_ids=sorted([*self._freed, *range(self._fresh, self._num_blocks)]),
             num_evictable=self._num_evictable,
             generation=self._generation,
             open_plans=dict(self._open_plans.items()),

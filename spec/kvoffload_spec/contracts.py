@@ -4,8 +4,8 @@ CrossHair builds ``self`` through ``__init__`` from symbolic arguments. A constr
 took the raw fields (free list, counter, plans...) would almost never produce a state that
 satisfies the invariants: CrossHair would spend its budget on unreachable junk and report
 nothing, a vacuous pass. These constructors take a few plain values instead and *derive* a
-consistent state from them: which key sits in which slot, which slots are pending on which
-store plan, which load plans read which slots, the policy's order and the offer tracker.
+consistent state from them: which key sits in which block id, which block ids are pending on which
+store plan, which load plans read which block ids, the policy's order and the offer tracker.
 Every state a history can reach is one of them, and all of them satisfy the invariants,
 which each check still asserts.
 
@@ -76,45 +76,49 @@ def _keys(values: Sequence[int]) -> list[Key]:
 class _Checks(SpecState):
     """A consistent state derived from plain values (see the module's docstring).
 
-    ``slots[i]`` says what slot ``i`` holds: nothing if negative, a ready block if zero, a
-    block still pending on the store plan labelled ``slots[i]`` if positive. The key in
-    slot ``i`` is ``(i + _key(shift)) % KEY_SPACE``: keys are opaque, so naming them by slot
-    loses nothing, and the shift keeps a key from always equalling its slot. ``loads``
-    lists, per open load plan, the slots it reads (those not ready are left out). ``stale``
+    ``block_ids[i]`` says what block id ``i`` holds: nothing if negative, a ready block if zero, a
+    block still pending on the store plan labelled ``block_ids[i]`` if positive. The key in
+    block id ``i`` is ``(i + _key(shift)) % KEY_SPACE``: keys are opaque, so naming them by block id
+    loses nothing, and the shift keeps a key from always equalling its block id. ``loads``
+    lists, per open load plan, the block ids it reads (those not ready are left out). ``stale``
     gives the keys of a store plan and of a load plan made before the last reset (none if
     empty). ``abandon`` picks open plans to abandon, as ``abandon()`` would: a store's keys
-    leave and its slots are quarantined, a load's pins are released.
+    leave and its block ids are quarantined, a load's pins are released.
     """
 
     _args: tuple[object, ...]  # what the constructor was given, for a counterexample's repr
 
     def __init__(
         self,
-        slots: list[int],
+        block_ids: list[int],
         shift: int,
         loads: list[list[int]],
         stale: list[int],
         abandon: list[int],
         order: PolicyOrder,
     ) -> None:
-        num_blocks = len(slots)
+        num_blocks = len(block_ids)
         key_in = {
-            slot: (slot + _key(shift)) % KEY_SPACE for slot in range(num_blocks) if slots[slot] >= 0
+            block_id: (block_id + _key(shift)) % KEY_SPACE
+            for block_id in range(num_blocks)
+            if block_ids[block_id] >= 0
         }
-        blocks: dict[Key, Block] = {key: Block(slot) for slot, key in key_in.items()}
+        blocks: dict[Key, Block] = {key: Block(block_id) for block_id, key in key_in.items()}
         plans: list[StorePlan | LoadPlan] = []
-        for label in sorted({slots[slot] for slot in key_in if slots[slot] > 0}):
-            # A plan takes the lowest free slots in call order: its keys are in slot order.
-            pending = tuple(slot for slot in key_in if slots[slot] == label)
-            for slot in pending:
-                blocks[key_in[slot]].store_plan = len(plans)
-            keys = tuple(key_in[slot] for slot in pending)
+        for label in sorted(
+            {block_ids[block_id] for block_id in key_in if block_ids[block_id] > 0}
+        ):
+            # A plan takes the lowest free block ids in call order: its keys are in block id order.
+            pending = tuple(block_id for block_id in key_in if block_ids[block_id] == label)
+            for block_id in pending:
+                blocks[key_in[block_id]].store_plan = len(plans)
+            keys = tuple(key_in[block_id] for block_id in pending)
             plans.append(StorePlan(keys, pending, (), len(plans), _CURRENT, 0))
         for read in loads:
-            readable = tuple(s for s in read if s in key_in and slots[s] == 0)
-            for slot in readable:
-                blocks[key_in[slot]].refs += 1
-            keys = tuple(key_in[slot] for slot in readable)
+            readable = tuple(s for s in read if s in key_in and block_ids[s] == 0)
+            for block_id in readable:
+                blocks[key_in[block_id]].refs += 1
+            keys = tuple(key_in[block_id] for block_id in readable)
             plans.append(LoadPlan(keys, readable, len(plans), _CURRENT, 0))
         if stale:
             dropped = tuple(_keys(stale))
@@ -128,17 +132,17 @@ class _Checks(SpecState):
                 continue
             abandoned[plan.plan_id] = []
             if plan.generation == _CURRENT and isinstance(plan, StorePlan):
-                abandoned[plan.plan_id] = [blocks.pop(key).slot for key in plan.keys]
+                abandoned[plan.plan_id] = [blocks.pop(key).block_id for key in plan.keys]
             elif plan.generation == _CURRENT:
                 for key in plan.keys:
                     blocks[key].refs -= 1
-        taken = {block.slot for block in blocks.values()}
-        taken.update(slot for quarantine in abandoned.values() for slot in quarantine)
+        taken = {block.block_id for block in blocks.values()}
+        taken.update(block_id for quarantine in abandoned.values() for block_id in quarantine)
         super().__init__(
             num_blocks=num_blocks,
             order=order,
             blocks=blocks,
-            free_slots=[slot for slot in range(num_blocks) if slot not in taken],
+            free_block_ids=[block_id for block_id in range(num_blocks) if block_id not in taken],
             num_evictable=sum(1 for b in blocks.values() if b.ready and b.refs == 0),
             generation=_CURRENT,
             open_plans={plan.plan_id: plan for plan in plans},
@@ -154,7 +158,7 @@ class _Checks(SpecState):
         before = self._cache()
         absent = [key for key in dict.fromkeys(call) if key not in self.blocks]
         outside = sum(1 for key in self.blocks if self.evictable(key) and key not in call)
-        room = len(self.free_slots) + outside
+        room = len(self.free_block_ids) + outside
         arc = self.order if isinstance(self.order, ArcOrder) else None
         ghosts = set(arc.b1 + arc.b2) if arc is not None else set()
         target = arc.p if arc is not None else 0.0
@@ -180,13 +184,13 @@ class _Checks(SpecState):
         assert plan.plan_id not in self.open_plans
         assert not invariant_violations(self)
 
-    def _check_prepare_load(self, slots: list[int]) -> None:
-        """Load the keys in ``slots`` (those ready): a load of anything else is refused."""
+    def _check_prepare_load(self, block_ids: list[int]) -> None:
+        """Load the keys in ``block_ids`` (those ready): a load of anything else is refused."""
         assert 1 <= self.num_blocks <= MAX_BLOCKS
         assert not invariant_violations(self)
-        key_in = {block.slot: key for key, block in self.blocks.items() if block.ready}
-        picked = [_index(slot, self.num_blocks) for slot in slots]
-        keys = [key_in[slot] for slot in picked if slot in key_in]
+        key_in = {block.block_id: key for key, block in self.blocks.items() if block.ready}
+        picked = [_index(block_id, self.num_blocks) for block_id in block_ids]
+        keys = [key_in[block_id] for block_id in picked if block_id in key_in]
         self.prepare_load(keys)
         assert not invariant_violations(self)
 
@@ -206,11 +210,11 @@ class _Checks(SpecState):
         assert not invariant_violations(self)
         plans = [plan for plan in self.open_plans.values() if plan.plan_id not in self.abandoned]
         plan = plans[_index(which, len(plans))]
-        free_before = list(self.free_slots)
+        free_before = list(self.free_block_ids)
         self.abandon(plan)
-        # Still open (its late completion is due), and no slot freed: the job may write it.
+        # Still open (its late completion is due), and no block id freed: the job may write it.
         assert plan.plan_id in self.abandoned and plan.plan_id in self.open_plans
-        assert self.free_slots == free_before
+        assert self.free_block_ids == free_before
         assert not invariant_violations(self)
 
     def _check_touch(self, keys: list[int]) -> None:
@@ -229,15 +233,15 @@ class _Checks(SpecState):
     def _cache(self) -> tuple[object, ...]:
         """What a failed ``prepare_store`` must leave as it was (its observations, the
         tracker and ARC's ghost hits, may move)."""
-        cache = (self.blocks, self.free_slots, self.num_evictable, self.open_plans)
+        cache = (self.blocks, self.free_block_ids, self.num_evictable, self.open_plans)
         order, _ = self.order.fingerprint()
         return (*copy.deepcopy(cache), order, self.next_plan_id, self.generation)
 
     def _resident_first(self, keys: Sequence[int]) -> list[Key]:
-        """The resident keys among ``keys``, in that order, then the others by slot."""
+        """The resident keys among ``keys``, in that order, then the others by block id."""
         chosen = [key for key in _keys(keys) if key in self.blocks]
         rest = sorted(
-            (key for key in self.blocks if key not in chosen), key=lambda k: self.blocks[k].slot
+            (key for key in self.blocks if key not in chosen), key=lambda k: self.blocks[k].block_id
         )
         return chosen + rest
 
@@ -245,7 +249,7 @@ class _Checks(SpecState):
 class LruContracts(_Checks):
     """A spec state under LRU, with the offer tracker in play.
 
-    ``lru`` orders the resident keys, least recent first (the others follow by slot).
+    ``lru`` orders the resident keys, least recent first (the others follow by block id).
     ``store_threshold`` and ``offered`` (keys offered, oldest first) set up the tracker.
     """
 
@@ -261,7 +265,7 @@ class LruContracts(_Checks):
 
     def __init__(
         self,
-        slots: list[int],
+        block_ids: list[int],
         shift: int,
         loads: list[list[int]],
         stale: list[int],
@@ -270,9 +274,9 @@ class LruContracts(_Checks):
         store_threshold: int,
         offered: list[int],
     ) -> None:
-        self._args = (slots, shift, loads, stale, abandon, lru, store_threshold, offered)
+        self._args = (block_ids, shift, loads, stale, abandon, lru, store_threshold, offered)
         order = LruOrder()
-        super().__init__(slots, shift, loads, stale, abandon, order)
+        super().__init__(block_ids, shift, loads, stale, abandon, order)
         order.order = self._resident_first(lru)
         self.store_threshold = store_threshold
         self._record_offers([_key(value) for value in offered])
@@ -285,9 +289,9 @@ class ArcContracts(_Checks):
     """A spec state under ARC.
 
     ``t2`` lists the resident ready keys in T2, least recent first; the other resident keys
-    are in T1, in ``t1``'s order (the others follow by slot). ``b1`` and ``b2`` are the
-    ghosts (keys not resident; the most recent ``len(slots)`` of each are kept) and
-    ``p`` the target size of T1 (held within ``[0, len(slots)]``).
+    are in T1, in ``t1``'s order (the others follow by block id). ``b1`` and ``b2`` are the
+    ghosts (keys not resident; the most recent ``len(block_ids)`` of each are kept) and
+    ``p`` the target size of T1 (held within ``[0, len(block_ids)]``).
     """
 
     # CrossHair looks a target method up in the class's own namespace only, and would check
@@ -302,7 +306,7 @@ class ArcContracts(_Checks):
 
     def __init__(
         self,
-        slots: list[int],
+        block_ids: list[int],
         shift: int,
         loads: list[list[int]],
         stale: list[int],
@@ -313,9 +317,9 @@ class ArcContracts(_Checks):
         b2: list[int],
         p: float,
     ) -> None:
-        self._args = (slots, shift, loads, stale, abandon, t1, t2, b1, b2, p)
-        arc = ArcOrder(len(slots))
-        super().__init__(slots, shift, loads, stale, abandon, arc)
+        self._args = (block_ids, shift, loads, stale, abandon, t1, t2, b1, b2, p)
+        arc = ArcOrder(len(block_ids))
+        super().__init__(block_ids, shift, loads, stale, abandon, arc)
         blocks = self.blocks
         # A pending key was inserted into T1 and has not been touched while ready since.
         arc.t2 = [key for key in _keys(t2) if key in blocks and blocks[key].ready]
@@ -334,7 +338,7 @@ class DuelContracts(_Checks):
     """A spec state under the dueling policy.
 
     ``lru`` orders the resident keys by last use, least recent first (the others follow by
-    slot); the keys of ``reused`` (resident ones) were used twice, their second most recent
+    block id); the keys of ``reused`` (resident ones) were used twice, their second most recent
     uses in that order, all before any last use. ``gone`` are keys in the history (not
     resident), oldest first. ``reuse_leads`` gives the LRU-2 shadow the higher score. The
     shadows hold no keys: they only decide which order the victims come in.
@@ -352,7 +356,7 @@ class DuelContracts(_Checks):
 
     def __init__(
         self,
-        slots: list[int],
+        block_ids: list[int],
         shift: int,
         loads: list[list[int]],
         stale: list[int],
@@ -362,9 +366,9 @@ class DuelContracts(_Checks):
         gone: list[int],
         reuse_leads: bool,
     ) -> None:
-        self._args = (slots, shift, loads, stale, abandon, lru, reused, gone, reuse_leads)
-        duel = DuelOrder.empty(len(slots))
-        super().__init__(slots, shift, loads, stale, abandon, duel)
+        self._args = (block_ids, shift, loads, stale, abandon, lru, reused, gone, reuse_leads)
+        duel = DuelOrder.empty(len(block_ids))
+        super().__init__(block_ids, shift, loads, stale, abandon, duel)
         uses = duel.uses
         twice = [key for key in _keys(reused) if key in self.blocks]
         history = [key for key in _keys(gone) if key not in self.blocks]

@@ -16,8 +16,8 @@ expanded once. After every call it checks, by families (see :data:`CHECKS`):
     lookup, the free, evictable and quarantined counts; a refused ``prepare_store`` only
     when the candidates cannot fit in the free blocks plus the blocks that are ready,
     unpinned and outside the call; a store plan's candidates in call order, its victims
-    evictable and not in the call, its slots the lowest free ones; a load of a key that is
-    not ready refused with the right error, else planned on the key's own slot.
+    evictable and not in the call, its block ids the lowest free ones; a load of a key that is
+    not ready refused with the right error, else planned on the key's own block id.
 ``events``
     the events emitted are those of the call.
 ``unchanged``
@@ -25,10 +25,10 @@ expanded once. After every call it checks, by families (see :data:`CHECKS`):
     change nothing; a second completion of a plan raises ``PlanAlreadyCompletedError``, a
     second ``abandon`` ``PlanAlreadyAbandonedError``.
 ``data``
-    a shadow of the CPU pool records whose bytes each slot holds (written when a store job
+    a shadow of the CPU pool records whose bytes each block id holds (written when a store job
     completes; a reset fences the jobs issued before it, all but the abandoned ones, whose
-    slots stay quarantined); every load reads its own key's bytes, at the start and at the
-    end of the read; no store takes a slot being read, nor one an abandoned job may write.
+    block ids stay quarantined); every load reads its own key's bytes, at the start and at the
+    end of the read; no store takes a block id being read, nor one an abandoned job may write.
 
 An argument list with an unhashable key must raise ``InvalidArgumentError``, always. The
 first violation stops the search; breadth first makes its counterexample a shortest one.
@@ -155,7 +155,7 @@ def _keyed_operations(keys: Sequence[Key]) -> list[Operation]:
 @dataclass(frozen=True)
 class _Held:
     """A plan handed out and not completed yet; ``current`` until the next reset. Once
-    abandoned, a store plan made current holds its slots in ``quarantine`` until it is
+    abandoned, a store plan made current holds its block ids in ``quarantine`` until it is
     completed: its stalled job may still write them."""
 
     plan: StorePlan | LoadPlan
@@ -173,11 +173,11 @@ class _Held:
 @dataclass
 class _Node(Generic[S]):
     """A system and the explorer's account of it: the plans it holds, where each resident
-    key is and whether it is pending, and whose bytes each slot holds (None: garbage)."""
+    key is and whether it is pending, and whose bytes each block id holds (None: garbage)."""
 
     system: S
     held: tuple[_Held, ...]
-    resident: dict[Key, tuple[int, bool]]  # key -> (slot, pending)
+    resident: dict[Key, tuple[int, bool]]  # key -> (block id, pending)
     memory: tuple[Key | None, ...]
     fingerprint: Fingerprint = field(default=Fingerprint(()))
 
@@ -185,7 +185,7 @@ class _Node(Generic[S]):
         return {held.plan.plan_id: n for n, held in enumerate(self.held)}
 
     def reads(self) -> list[LoadPlan]:
-        """The loads in flight: their blocks are pinned, their slots being read."""
+        """The loads in flight: their blocks are pinned, their block ids being read."""
         return [
             h.plan
             for h in self.held
@@ -193,7 +193,7 @@ class _Node(Generic[S]):
         ]
 
     def quarantined(self) -> list[int]:
-        return [slot for held in self.held for slot in held.quarantine]
+        return [block_id for held in self.held for block_id in held.quarantine]
 
     def lookup(self, key: Key) -> Lookup:
         found = self.resident.get(key)
@@ -201,8 +201,8 @@ class _Node(Generic[S]):
             return Lookup.MISS
         return Lookup.PENDING if found[1] else Lookup.HIT
 
-    def free_slots(self) -> list[int]:
-        taken = {slot for slot, _ in self.resident.values()} | set(self.quarantined())
+    def free_block_ids(self) -> list[int]:
+        taken = {block_id for block_id, _ in self.resident.values()} | set(self.quarantined())
         return sorted(set(range(len(self.memory))) - taken)
 
     def evictable(self) -> set[Key]:
@@ -211,7 +211,9 @@ class _Node(Generic[S]):
 
     def key(self, with_memory: bool) -> Hashable:
         """The node's identity in the search: everything that decides its future."""
-        resident = sorted((repr(k), slot, pending) for k, (slot, pending) in self.resident.items())
+        resident = sorted(
+            (repr(k), block_id, pending) for k, (block_id, pending) in self.resident.items()
+        )
         held = tuple(held.content() for held in self.held)
         memory = tuple(map(repr, self.memory)) if with_memory else ()
         return (self.fingerprint, held, tuple(resident), memory)
@@ -373,16 +375,20 @@ class _Checker(Generic[S]):
         events: list[Event] = []
         if op.name == PREPARE_STORE and result is not None:
             plan = self._check_store_plan(node, op.keys, result)
-            read = {slot for load in node.reads() for slot in load.block_ids}
+            read = {block_id for load in node.reads() for block_id in load.block_ids}
             quarantined = set(node.quarantined())
             for key in plan.evicted_keys:
                 resident.pop(key, None)
-            for key, slot in zip(plan.keys, plan.block_ids, strict=True):
-                if "data" in self.checks and slot in read | quarantined:
-                    writer = "a load reads it" if slot in read else "an abandoned job may write it"
-                    raise Violation(f"data: the store of {key!r} takes slot {slot}: {writer}")
-                resident[key] = (slot, True)
-                memory[slot] = None  # being written: garbage until the job completes
+            for key, block_id in zip(plan.keys, plan.block_ids, strict=True):
+                if "data" in self.checks and block_id in read | quarantined:
+                    writer = (
+                        "a load reads it" if block_id in read else "an abandoned job may write it"
+                    )
+                    raise Violation(
+                        f"data: the store of {key!r} takes block id {block_id}: {writer}"
+                    )
+                resident[key] = (block_id, True)
+                memory[block_id] = None  # being written: garbage until the job completes
             held.append(_Held(plan, True))
             events = _removed(plan.evicted_keys, RemovalReason.EVICTED)
         elif op.name == PREPARE_STORE:
@@ -393,7 +399,7 @@ class _Checker(Generic[S]):
             held.append(_Held(load, True))
         elif op.name == RESET:
             ready = [k for k, (_, pending) in resident.items() if not pending]
-            ready.sort(key=lambda k: resident[k][0])  # reported by slot
+            ready.sort(key=lambda k: resident[k][0])  # reported by block id
             events = _removed(tuple(ready), RemovalReason.RESET)
             resident.clear()
             held = [dataclasses.replace(h, current=False) for h in held]  # quarantines last
@@ -411,10 +417,10 @@ class _Checker(Generic[S]):
             if done.abandoned:
                 pass  # its job is over: a quarantine ends, nothing else changes
             elif done.current and isinstance(done.plan, StorePlan):
-                for key, slot in zip(done.plan.keys, done.plan.block_ids, strict=True):
+                for key, block_id in zip(done.plan.keys, done.plan.block_ids, strict=True):
                     if op.success:
-                        resident[key] = (slot, False)
-                        memory[slot] = key
+                        resident[key] = (block_id, False)
+                        memory[block_id] = key
                     else:
                         resident.pop(key, None)
                 if not op.success:
@@ -431,7 +437,7 @@ class _Checker(Generic[S]):
             raise Violation(f"prepare_store returned {plan!r}, not a StorePlan")
         n = len(node.memory)
         if len(plan.block_ids) != len(plan.keys) or not all(0 <= s < n for s in plan.block_ids):
-            raise Violation(f"store plan slots {plan.block_ids} do not fit {plan.keys}")
+            raise Violation(f"store plan block ids {plan.block_ids} do not fit {plan.keys}")
         if "model" not in self.checks:
             return plan
         absent = [k for k in dict.fromkeys(keys) if k not in node.resident]
@@ -444,20 +450,22 @@ class _Checker(Generic[S]):
         wrong = [k for k in plan.evicted_keys if k not in evictable]
         if wrong or len(set(plan.evicted_keys)) != len(plan.evicted_keys):
             raise Violation(f"evicted {plan.evicted_keys}: {wrong} not evictable outside the call")
-        free = node.free_slots()
+        free = node.free_block_ids()
         need = max(0, len(plan.keys) - len(free))
         if len(plan.evicted_keys) != need:
             raise Violation(f"evicted {len(plan.evicted_keys)} blocks where {need} were needed")
         freed = sorted(free + [node.resident[k][0] for k in plan.evicted_keys])
         if plan.block_ids != tuple(freed[: len(plan.keys)]):
-            raise Violation(f"slots {plan.block_ids} are not the lowest free ones {tuple(freed)}")
+            raise Violation(
+                f"block ids {plan.block_ids} are not the lowest free ones {tuple(freed)}"
+            )
         return plan
 
     def _check_refusal(self, node: _Node[S], keys: tuple[Key, ...]) -> None:
         if "model" not in self.checks:
             return
         absent = [k for k in dict.fromkeys(keys) if k not in node.resident]
-        free = len(node.free_slots())
+        free = len(node.free_block_ids())
         evictable = len(node.evictable() - set(keys))
         if len(absent) > free + evictable:
             return
@@ -471,21 +479,25 @@ class _Checker(Generic[S]):
             raise Violation(f"prepare_load returned {plan!r}, not a LoadPlan")
         n = len(node.memory)
         if len(plan.block_ids) != len(plan.keys) or not all(0 <= s < n for s in plan.block_ids):
-            raise Violation(f"load plan slots {plan.block_ids} do not fit {plan.keys}")
+            raise Violation(f"load plan block ids {plan.block_ids} do not fit {plan.keys}")
         if "model" in self.checks:
-            slots = tuple(node.resident[key][0] for key in keys)
-            if plan.keys != keys or plan.block_ids != slots:
-                raise Violation(f"load plan {plan.keys} @ {plan.block_ids} is not {keys} @ {slots}")
+            block_ids = tuple(node.resident[key][0] for key in keys)
+            if plan.keys != keys or plan.block_ids != block_ids:
+                raise Violation(
+                    f"load plan {plan.keys} @ {plan.block_ids} is not {keys} @ {block_ids}"
+                )
         return plan
 
     def _check_reads(self, node: _Node[S], plan: LoadPlan, moment: str) -> None:
         if "data" not in self.checks:
             return
-        for key, slot in zip(plan.keys, plan.block_ids, strict=True):
-            holds = node.memory[slot]
+        for key, block_id in zip(plan.keys, plan.block_ids, strict=True):
+            holds = node.memory[block_id]
             if holds != key:
                 what = "garbage" if holds is None else f"the bytes of {holds!r}"
-                raise Violation(f"data: a load of {key!r} {moment} reading slot {slot}: {what}")
+                raise Violation(
+                    f"data: a load of {key!r} {moment} reading block id {block_id}: {what}"
+                )
 
     # -- what must hold after every call -------------------------------------------------------
 
@@ -517,12 +529,12 @@ class _Checker(Generic[S]):
             if found is Lookup.MISS:
                 node.resident.pop(key, None)
             elif found is not due:
-                slot = node.resident.get(key, (-1, True))[0]
-                node.resident[key] = (slot, found is Lookup.PENDING)
+                block_id = node.resident.get(key, (-1, True))[0]
+                node.resident[key] = (block_id, found is Lookup.PENDING)
         if "model" in self.checks:
             free, evictable = system.num_free_blocks, system.num_evictable_blocks
             counts = (free, evictable, system.num_quarantined_blocks)
-            predicted = (len(node.free_slots()), len(node.evictable()), len(node.quarantined()))
+            predicted = (len(node.free_block_ids()), len(node.evictable()), len(node.quarantined()))
             if counts != predicted:
                 raise Violation(
                     f"free/evictable/quarantined blocks are {counts}, the plans say {predicted}"

@@ -11,7 +11,7 @@ recorded, so a failure (:class:`Divergence`) reads as a numbered history ending 
 things that differed.
 
 For a policy the spec does not know, ``dictated=True`` makes the model evict exactly what
-the system evicted, once checked legal (:class:`DictatedOrder`); everything else (slots,
+the system evicted, once checked legal (:class:`DictatedOrder`); everything else (block ids,
 states, counters, events, errors) must still be exactly the spec's.
 
 The conformance kit, the soak test, the Offloader's state machine, the bad-input suite, the

@@ -80,7 +80,7 @@ class OffloadModel:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.state.free_slots)
+        return len(self.state.free_block_ids)
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -117,7 +117,7 @@ class OffloadModel:
 
     def abandon(self, plan: StorePlan | LoadPlan) -> None:
         """Give up waiting for the job of ``plan`` (it stalled): a load's pins are released,
-        a store's keys become absent and its slots stay quarantined until ``complete_*``
+        a store's keys become absent and its block ids stay quarantined until ``complete_*``
         reports the job over. The plan must still be completed once; that changes nothing
         else. Raises ``PlanAlreadyAbandonedError`` the second time.
         """

@@ -55,7 +55,7 @@ def copy_state(state: SpecState) -> SpecState:
         elif name == "order":
             value = _shallow(value, copy_lists=True)
         elif name == "abandoned":
-            value = {plan_id: list(slots) for plan_id, slots in value.items()}
+            value = {plan_id: list(block_ids) for plan_id, block_ids in value.items()}
         elif name in _FLAT_FIELDS and value is not None:
             value = type(value)(value)
         elif not isinstance(value, (int, float, str, type(None))):
@@ -65,7 +65,7 @@ def copy_state(state: SpecState) -> SpecState:
 
 
 # Containers of immutable values: a shallow copy is a deep one.
-_FLAT_FIELDS = frozenset({"free_slots", "open_plans", "offers", "events"})
+_FLAT_FIELDS = frozenset({"free_block_ids", "open_plans", "offers", "events"})
 
 
 _T = TypeVar("_T")
@@ -97,9 +97,11 @@ def state_differences(
             problems.append(f"{what}: the system's {mine!r}, the spec's {spec!r}")
 
     differ(
-        "blocks (key: slot, refs, pending on plan)", _blocks(got.blocks), _blocks(expected.blocks)
+        "blocks (key: block id, refs, pending on plan)",
+        _blocks(got.blocks),
+        _blocks(expected.blocks),
     )
-    differ("free block ids", got.free_slots, expected.free_slots)
+    differ("free block ids", got.free_block_ids, expected.free_block_ids)
     differ("evictable counter", got.num_evictable, expected.num_evictable)
     differ("generation", got.generation, expected.generation)
     differ("open plans", got.open_plans, expected.open_plans)
@@ -118,7 +120,7 @@ def state_differences(
 
 
 def _blocks(blocks: Mapping[object, Block]) -> dict[object, tuple[int, int, int | None]]:
-    return {key: (b.slot, b.refs, b.store_plan) for key, b in blocks.items()}
+    return {key: (b.block_id, b.refs, b.store_plan) for key, b in blocks.items()}
 
 
 class Fingerprint(NamedTuple):
@@ -141,14 +143,21 @@ def fingerprint(state: SpecState, plan_names: Mapping[int, int]) -> Fingerprint:
     and so are the open plans (the checker holds them).
     """
     blocks = sorted(
-        (repr(key), block.slot, block.refs, _renamed(block.store_plan, plan_names))
+        (repr(key), block.block_id, block.refs, _renamed(block.store_plan, plan_names))
         for key, block in state.blocks.items()
     )
     order, observed = state.order.fingerprint()
     abandoned = sorted(
-        (_renamed(plan_id, plan_names), tuple(slots)) for plan_id, slots in state.abandoned.items()
+        (_renamed(plan_id, plan_names), tuple(block_ids))
+        for plan_id, block_ids in state.abandoned.items()
     )
-    cache = (tuple(blocks), tuple(state.free_slots), state.num_evictable, order, tuple(abandoned))
+    cache = (
+        tuple(blocks),
+        tuple(state.free_block_ids),
+        state.num_evictable,
+        order,
+        tuple(abandoned),
+    )
     return Fingerprint(cache, (tuple(state.offers.items()), observed))
 
 

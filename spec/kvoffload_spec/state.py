@@ -15,12 +15,12 @@ Block states::
        |                                                   |    |   | complete_load: refs-1
        +----- evicted (only ready with refs == 0) ---------+----+
        +----- reset_cache (every state) -------------------+
-       +----- abandon (pending: its slot is quarantined) --+
+       +----- abandon (pending: its block id is quarantined) --+
 
 ``abandon(plan)`` gives up waiting for a plan's job (one that stalled): a load's pins are
-released at once, a store's pending keys become absent at once, but the slots the store's
+released at once, a store's pending keys become absent at once, but the block ids the store's
 job may still write are *quarantined* (neither free nor resident) until the plan's late
-completion says the job is over. So no slot is handed out while an old job might write it.
+completion says the job is over. So no block id is handed out while an old job might write it.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Block:
     None once it is ready. ``refs`` counts the loads reading it (only ready blocks have any).
     """
 
-    slot: int
+    block_id: int
     refs: int = 0
     store_plan: int | None = None
 
@@ -71,7 +71,7 @@ class SpecState:
     num_blocks: int
     order: PolicyOrder
     blocks: dict[Key, Block] = field(default_factory=dict)
-    free_slots: list[int] = field(default_factory=list)  # ascending
+    free_block_ids: list[int] = field(default_factory=list)  # ascending
     num_evictable: int = 0
     generation: int = 0
     open_plans: dict[int, StorePlan | LoadPlan] = field(default_factory=dict)
@@ -81,7 +81,7 @@ class SpecState:
     offers: dict[Key, int] = field(default_factory=dict)  # least recently offered first
     events: list[Event] | None = None
     owner: int = 0
-    # abandoned plan id -> the slots it quarantines (those its store job may still write)
+    # abandoned plan id -> the block ids it quarantines (those its store job may still write)
     abandoned: dict[int, list[int]] = field(default_factory=dict)
 
     @staticmethod
@@ -96,7 +96,7 @@ class SpecState:
         return SpecState(
             num_blocks=num_blocks,
             order=order,
-            free_slots=list(range(num_blocks)),
+            free_block_ids=list(range(num_blocks)),
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
             events=[] if enable_events else None,
@@ -124,8 +124,8 @@ class SpecState:
         return Lookup.HIT if block.ready else Lookup.PENDING
 
     def quarantined(self) -> list[int]:
-        """The slots abandoned store jobs may still write: neither free nor resident."""
-        return [slot for slots in self.abandoned.values() for slot in slots]
+        """The block ids abandoned store jobs may still write: neither free nor resident."""
+        return [block_id for block_ids in self.abandoned.values() for block_id in block_ids]
 
     def snapshot(self) -> str:
         """Everything a caller can observe, or a failed call could have disturbed."""
@@ -142,11 +142,11 @@ class SpecState:
         self.open_plans[plan.plan_id] = plan
         return plan
 
-    def _slot_of(self, key: Key) -> int:
-        return self.blocks[key].slot
+    def _block_id_of(self, key: Key) -> int:
+        return self.blocks[key].block_id
 
-    def _release_slot(self, slot: int) -> None:
-        bisect.insort(self.free_slots, slot)
+    def _free(self, block_id: int) -> None:
+        bisect.insort(self.free_block_ids, block_id)
 
     def _record_offers(self, keys: Sequence[Key]) -> None:
         """The tracker behind ``store_threshold``: offers per key of the call (``keys``, each
@@ -181,7 +181,7 @@ class SpecState:
         Post, on None: no cache state changed (only the observations may have: the offer
         tracker, and ARC's ghost hits).
         Post, on a plan: victims were ready, unpinned and not among ``keys``; they are now
-        absent; the candidates are pending in the lowest free slots, in call order; the
+        absent; the candidates are pending in the lowest free block ids, in call order; the
         evictable counter dropped by exactly the number of victims.
         """
         assert not invariant_violations(self)
@@ -197,7 +197,7 @@ class SpecState:
         # store is then refused: what the request asked for is an observation.
         self.order.on_store_miss(candidates)
         evictable_before = self.num_evictable
-        need = len(candidates) - len(self.free_slots)
+        need = len(candidates) - len(self.free_block_ids)
         victims: list[Key] = []
         if need > 0:
             # The guard of vLLM PR #45757: fail in O(1), without asking the policy, when
@@ -213,15 +213,15 @@ class SpecState:
             victims = chosen
         for key in victims:
             assert self.evictable(key) and key not in distinct
-            self._release_slot(self.blocks.pop(key).slot)
+            self._free(self.blocks.pop(key).block_id)
             self.num_evictable -= 1
         self.order.evict(victims)
         self._emit(BlocksRemoved(tuple(victims), RemovalReason.EVICTED))
-        slots = self.free_slots[: len(candidates)]
-        del self.free_slots[: len(candidates)]
+        block_ids = self.free_block_ids[: len(candidates)]
+        del self.free_block_ids[: len(candidates)]
         plan_id = self.next_plan_id
-        for key, slot in zip(candidates, slots, strict=True):
-            self.blocks[key] = Block(slot, store_plan=plan_id)
+        for key, block_id in zip(candidates, block_ids, strict=True):
+            self.blocks[key] = Block(block_id, store_plan=plan_id)
             self.order.insert(key)
         assert self.num_evictable == evictable_before - len(victims)
         assert all(self.lookup(key) is Lookup.PENDING for key in candidates)
@@ -229,7 +229,7 @@ class SpecState:
         return self._open(
             StorePlan(
                 tuple(candidates),
-                tuple(slots),
+                tuple(block_ids),
                 tuple(victims),
                 plan_id,
                 self.generation,
@@ -241,19 +241,19 @@ class SpecState:
         """The store job of ``plan`` finished.
 
         Pre: ``plan`` is open (issued by this state, not completed yet).
-        Post: the plan is closed. If it was abandoned, the slots it quarantined are free
+        Post: the plan is closed. If it was abandoned, the block ids it quarantined are free
         and nothing else changed (its job can no longer write them; ``success`` does not
         matter: its keys were dropped when it was abandoned). Else, if it is stale (made
         before a reset) nothing else changed. Otherwise each of its blocks that still
         belongs to it became ready with no refs (success; the counter rose by one each) or
-        absent with its slot free (failure).
+        absent with its block id free (failure).
         """
         assert self.open_plans.get(plan.plan_id) == plan
         assert not invariant_violations(self)
         del self.open_plans[plan.plan_id]
         if plan.plan_id in self.abandoned:
-            for slot in self.abandoned.pop(plan.plan_id):
-                self._release_slot(slot)
+            for block_id in self.abandoned.pop(plan.plan_id):
+                self._free(block_id)
             return
         if plan.generation != self.generation:
             return  # the ABA guard: these keys may have been stored again since the reset
@@ -266,7 +266,7 @@ class SpecState:
                 self.num_evictable += 1
             else:
                 del self.blocks[key]
-                self._release_slot(block.slot)
+                self._free(block.block_id)
                 self.order.remove(key)
         if success:
             self._emit(BlocksStored(tuple(done)))
@@ -297,7 +297,7 @@ class SpecState:
         return self._open(
             LoadPlan(
                 tuple(keys),
-                tuple(self.blocks[key].slot for key in keys),
+                tuple(self.blocks[key].block_id for key in keys),
                 self.next_plan_id,
                 self.generation,
                 self.owner,
@@ -338,13 +338,13 @@ class SpecState:
         Post: the plan is still open (its job may still report: completing it is then
         due, once) and abandoned. If it is stale nothing else changed. A current load
         plan's pins were released, as by ``complete_load``. A current store plan's keys
-        (all still pending on it) are absent, as after a failed store, but their slots are
-        quarantined, not free: the job may still write them. No free slot changed.
+        (all still pending on it) are absent, as after a failed store, but their block ids are
+        quarantined, not free: the job may still write them. No free block id changed.
         """
         assert self.open_plans.get(plan.plan_id) == plan
         assert plan.plan_id not in self.abandoned
         assert not invariant_violations(self)
-        free_before = list(self.free_slots)
+        free_before = list(self.free_block_ids)
         quarantine: list[int] = []
         dropped: list[Key] = []
         if plan.generation == self.generation and isinstance(plan, LoadPlan):
@@ -352,11 +352,11 @@ class SpecState:
         elif plan.generation == self.generation:
             dropped = [key for key in plan.keys if self._pending_on(key, plan.plan_id)]
             for key in dropped:
-                quarantine.append(self.blocks.pop(key).slot)
+                quarantine.append(self.blocks.pop(key).block_id)
                 self.order.remove(key)
             self._emit(BlocksRemoved(tuple(dropped), RemovalReason.STORE_FAILED))
         self.abandoned[plan.plan_id] = quarantine
-        assert self.free_slots == free_before
+        assert self.free_block_ids == free_before
         assert all(self.lookup(key) is Lookup.MISS for key in dropped)
         assert self.open_plans.get(plan.plan_id) == plan
 
@@ -374,20 +374,22 @@ class SpecState:
     def reset_cache(self) -> None:
         """Drop every block; a new generation begins, making every open plan stale.
 
-        Post: every slot is free but the quarantined ones (an abandoned store job may
+        Post: every block id is free but the quarantined ones (an abandoned store job may
         still write those), nothing is evictable, the open plans are still open (each must
         still be completed once; doing so changes nothing but end a quarantine).
         """
         assert not invariant_violations(self)
-        ready = sorted((k for k, b in self.blocks.items() if b.ready), key=self._slot_of)
+        ready = sorted((k for k, b in self.blocks.items() if b.ready), key=self._block_id_of)
         self._emit(BlocksRemoved(tuple(ready), RemovalReason.RESET))
         self.blocks.clear()
         self.order.clear()
         quarantined = set(self.quarantined())
-        self.free_slots = [slot for slot in range(self.num_blocks) if slot not in quarantined]
+        self.free_block_ids = [
+            block_id for block_id in range(self.num_blocks) if block_id not in quarantined
+        ]
         self.num_evictable = 0
         self.generation += 1
-        assert len(self.free_slots) + len(quarantined) == self.num_blocks
+        assert len(self.free_block_ids) + len(quarantined) == self.num_blocks
         assert all(plan.generation < self.generation for plan in self.open_plans.values())
 
 
@@ -405,22 +407,24 @@ def invariant_violations(state: SpecState) -> list[str]:
     pending = sum(1 for b in blocks.values() if not b.ready)
     ready = len(blocks) - pending
     quarantined = state.quarantined()
-    if len(state.free_slots) + pending + ready + len(quarantined) != n:
+    if len(state.free_block_ids) + pending + ready + len(quarantined) != n:
         problems.append(
-            f"free {len(state.free_slots)} + pending {pending} + ready {ready} + quarantined "
+            f"free {len(state.free_block_ids)} + pending {pending} + ready {ready} + quarantined "
             f"{len(quarantined)} != {n} blocks"
         )
-    slots = [b.slot for b in blocks.values()]
-    if len(set(slots)) != len(slots):
-        problems.append(f"resident keys share slots: {sorted(slots)}")
-    if any(not 0 <= s < n for s in slots + state.free_slots + quarantined):
-        problems.append(f"a slot is outside [0, {n})")
-    if set(slots) & set(state.free_slots) or state.free_slots != sorted(set(state.free_slots)):
-        problems.append(f"free slots {state.free_slots} overlap resident ones or repeat")
-    if len(set(quarantined)) != len(quarantined) or set(quarantined) & set(
-        slots + state.free_slots
+    block_ids = [b.block_id for b in blocks.values()]
+    if len(set(block_ids)) != len(block_ids):
+        problems.append(f"resident keys share block ids: {sorted(block_ids)}")
+    if any(not 0 <= s < n for s in block_ids + state.free_block_ids + quarantined):
+        problems.append(f"a block id is outside [0, {n})")
+    if set(block_ids) & set(state.free_block_ids) or state.free_block_ids != sorted(
+        set(state.free_block_ids)
     ):
-        problems.append(f"quarantined slots {quarantined} repeat or are free or resident")
+        problems.append(f"free block ids {state.free_block_ids} overlap resident ones or repeat")
+    if len(set(quarantined)) != len(quarantined) or set(quarantined) & set(
+        block_ids + state.free_block_ids
+    ):
+        problems.append(f"quarantined block ids {quarantined} repeat or are free or resident")
     for key, b in blocks.items():
         if b.refs < 0 or (not b.ready and b.refs != 0):
             problems.append(f"{key!r} has refs {b.refs} while {'ready' if b.ready else 'pending'}")
@@ -483,7 +487,7 @@ def _duel_violations(duel: DuelOrder) -> list[str]:
 
 def _plan_violations(state: SpecState) -> list[str]:
     """The open plans agree with the blocks: a current store plan's keys are pending on it in
-    its slots, and a ready block's refs count exactly its keys in current load plans.
+    its block ids, and a ready block's refs count exactly its keys in current load plans.
 
     Plain consequences of the transitions, stated so that a checker that builds arbitrary
     states (CrossHair) builds only those a history could reach.
@@ -494,7 +498,7 @@ def _plan_violations(state: SpecState) -> list[str]:
         if plan is None or (quarantine and not isinstance(plan, StorePlan)):
             problems.append(f"abandoned plan {plan_id} is not an open store plan: {plan!r}")
         elif plan.generation == state.generation and not set(quarantine) <= set(plan.block_ids):
-            problems.append(f"abandoned plan {plan!r} quarantines slots {quarantine}")
+            problems.append(f"abandoned plan {plan!r} quarantines block ids {quarantine}")
     expected_refs: dict[Key, int] = {}
     for plan_id, plan in state.open_plans.items():
         if plan.plan_id != plan_id or len(plan.keys) != len(plan.block_ids):
@@ -502,15 +506,15 @@ def _plan_violations(state: SpecState) -> list[str]:
             continue
         if plan.generation != state.generation or plan_id in state.abandoned:
             continue  # stale or abandoned: it holds no block
-        for key, slot in zip(plan.keys, plan.block_ids, strict=True):
+        for key, block_id in zip(plan.keys, plan.block_ids, strict=True):
             block = state.blocks.get(key)
             if isinstance(plan, StorePlan):
                 wanted = block is not None and block.store_plan == plan_id
             else:
                 wanted = block is not None and block.ready
                 expected_refs[key] = expected_refs.get(key, 0) + 1
-            if not wanted or block is None or block.slot != slot:
-                problems.append(f"{key!r} in slot {slot} does not match open plan {plan!r}")
+            if not wanted or block is None or block.block_id != block_id:
+                problems.append(f"{key!r} in block id {block_id} does not match open plan {plan!r}")
         if isinstance(plan, StorePlan) and len(set(plan.keys)) != len(plan.keys):
             problems.append(f"store plan {plan_id} lists a key twice")
     for key, block in state.blocks.items():

@@ -26,7 +26,7 @@ class Lookup(enum.Enum):
 
 @dataclass(frozen=True)
 class StorePlan:
-    """What ``prepare_store`` decided: copy ``keys[i]`` into CPU slot ``block_ids[i]``.
+    """What ``prepare_store`` decided: copy ``keys[i]`` into CPU block id ``block_ids[i]``.
 
     ``evicted_keys`` were dropped, in eviction order, to make room. The identity fields
     (``plan_id``, ``generation``, ``owner``) let ``complete_store`` refuse a plan completed
@@ -43,7 +43,7 @@ class StorePlan:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """What ``prepare_load`` pinned: read ``keys[i]`` from CPU slot ``block_ids[i]``.
+    """What ``prepare_load`` pinned: read ``keys[i]`` from CPU block id ``block_ids[i]``.
 
     A key listed twice is pinned twice and appears twice.
     """

@@ -13,12 +13,12 @@ exactly the bytes stored under its own key, in its own namespace, from anything 
 The pool reaches the remote in two ways, both on top of the manager's unchanged operations:
 
 - **write-back**: a block the CPU pool evicts is written to the remote with the bytes its
-  slot held *when it was evicted* (the slot is handed to a new store at once);
+  block id held *when it was evicted* (the block id is handed to a new store at once);
 - **fetch**: on a CPU miss, a fetch is a store plan (``prepare_store`` of the key: absent ->
   pending) whose job reads the remote instead of the device, checks the value, writes the
-  slot if it is accepted, and completes the plan: success only for an accepted value, a
+  block id if it is accepted, and completes the plan: success only for an accepted value, a
   failed store otherwise (the key is absent again). A fetch given up on (``abandon``)
-  quarantines its slot until its job reports, as any store does.
+  quarantines its block id until its job reports, as any store does.
 
 What the pool guarantees, whatever the remote does (:func:`explore_tiers` checks each after
 every step, over every interleaving at small bounds):
@@ -27,7 +27,7 @@ every step, over every interleaving at small bounds):
 2. a block reaches the device only with the bytes stored under its own key, whichever tier
    it came from: every load reads its key's full bytes of our namespace;
 3. a write-back puts under a key only that key's full bytes;
-4. no slot a fetch may still write is handed to another key.
+4. no block id a fetch may still write is handed to another key.
 
 >>> report = explore_tiers(blocks=1, keys=("a", "b"), depth=4)
 >>> report.ok, report.complete
@@ -78,11 +78,11 @@ class TierRules:
         return value is not None and value == own(key)
 
     def quarantines_abandoned_fetches(self) -> bool:
-        """An abandoned fetch's slot stays quarantined until its job reports."""
+        """An abandoned fetch's block id stays quarantined until its job reports."""
         return True
 
     def write_back_reads_at_eviction(self) -> bool:
-        """A write-back takes the victim's bytes when it is evicted, not later (the slot is
+        """A write-back takes the victim's bytes when it is evicted, not later (the block id is
         handed to a new store at once)."""
         return True
 
@@ -100,21 +100,21 @@ class Fetch:
 @dataclass(frozen=True)
 class WriteBack:
     """A write-back in flight: the key, and its bytes (or, under a rule that reads late,
-    the slot it will read them from)."""
+    the block id it will read them from)."""
 
     key: Key
     value: Value | None
-    slot: int
+    block_id: int
 
 
 @dataclass
 class TierWorld:
-    """The pool (the spec's model), its slots' bytes, the remote's values, and the jobs in
+    """The pool (the spec's model), its block ids' bytes, the remote's values, and the jobs in
     flight between them."""
 
     pool: OffloadModel
     rules: TierRules
-    memory: dict[int, Value | None] = field(default_factory=dict)  # slot -> bytes
+    memory: dict[int, Value | None] = field(default_factory=dict)  # block id -> bytes
     remote: dict[Key, Value] = field(default_factory=dict)
     fetches: tuple[Fetch, ...] = ()
     write_backs: tuple[WriteBack, ...] = ()
@@ -129,10 +129,10 @@ class TierWorld:
         names = {fetch.plan.plan_id: n for n, fetch in enumerate(self.fetches)}
         return (
             fingerprint(self.pool.state, names),
-            tuple(sorted((slot, repr(v)) for slot, v in self.memory.items())),
+            tuple(sorted((block_id, repr(v)) for block_id, v in self.memory.items())),
             tuple(sorted((repr(k), repr(v)) for k, v in self.remote.items())),
             tuple((f.plan.keys, f.plan.block_ids, repr(f.read), f.abandoned) for f in self.fetches),
-            tuple((repr(w.key), repr(w.value), w.slot) for w in self.write_backs),
+            tuple((repr(w.key), repr(w.value), w.block_id) for w in self.write_backs),
         )
 
 
@@ -188,7 +188,7 @@ def apply(world: TierWorld, op: TierOp, keys: Sequence[Key]) -> TierWorld | None
     if op.name in (STORE, FETCH):
         if pool.lookup(op.key) is not Lookup.MISS:
             return None
-        slots_before = {key: block.slot for key, block in pool.state.blocks.items()}
+        slots_before = {key: block.block_id for key, block in pool.state.blocks.items()}
         plan = pool.prepare_store([op.key])
         if plan is None:
             return None
@@ -221,9 +221,9 @@ def _evicted(world: TierWorld, plan: StorePlan, slots_before: dict[Key, int]) ->
     """Each victim's bytes leave for the remote: a write-back in flight."""
     late = not world.rules.write_back_reads_at_eviction()
     for key in plan.evicted_keys:
-        slot = slots_before[key]
-        value = None if late else world.memory.get(slot)
-        world.write_backs += (WriteBack(key, value, slot),)
+        block_id = slots_before[key]
+        value = None if late else world.memory.get(block_id)
+        world.write_backs += (WriteBack(key, value, block_id),)
 
 
 def _adversary(world: TierWorld, op: TierOp, keys: Sequence[Key]) -> None:
@@ -242,7 +242,9 @@ def _adversary(world: TierWorld, op: TierOp, keys: Sequence[Key]) -> None:
 def _write_back(world: TierWorld, op: TierOp) -> None:
     job = world.write_backs[op.index]
     world.write_backs = world.write_backs[: op.index] + world.write_backs[op.index + 1 :]
-    value = job.value if world.rules.write_back_reads_at_eviction() else world.memory.get(job.slot)
+    value = (
+        job.value if world.rules.write_back_reads_at_eviction() else world.memory.get(job.block_id)
+    )
     if not op.ok:
         return  # the server refused or timed out: the remote is as it was
     if value != own(job.key):
@@ -253,36 +255,36 @@ def _write_back(world: TierWorld, op: TierOp) -> None:
 def _fetch_step(world: TierWorld, op: TierOp) -> None:
     pool = world.pool
     fetch = world.fetches[op.index]
-    key, slot = fetch.plan.keys[0], fetch.plan.block_ids[0]
+    key, block_id = fetch.plan.keys[0], fetch.plan.block_ids[0]
     fetches = list(world.fetches)
     if op.name == READ:
         fetches[op.index] = replace(fetch, read=world.remote.get(key))
     elif op.name == ABANDON:
         pool.abandon(fetch.plan)
         if not world.rules.quarantines_abandoned_fetches():
-            # The bug this rule plants: the slot is free at once, though the job may write.
+            # The bug this rule plants: the block id is free at once, though the job may write.
             state = pool.state
             state.abandoned[fetch.plan.plan_id] = []
-            state._release_slot(slot)
+            state._free(block_id)
         fetches[op.index] = replace(fetch, abandoned=True)
-    else:  # FINISH: the job checks what it read, writes the slot if accepted, reports
+    else:  # FINISH: the job checks what it read, writes the block id if accepted, reports
         read = fetch.read if isinstance(fetch.read, Value) else None
         accepted = world.rules.accept(key, read)
         if accepted:
-            if _slot_taken_by_another(world, slot, fetch):
+            if _slot_taken_by_another(world, block_id, fetch):
                 raise TierViolation(
-                    f"the fetch of {key!r} writes slot {slot}, which another key now holds"
+                    f"the fetch of {key!r} writes block id {block_id}, which another key now holds"
                 )
-            world.memory[slot] = read
+            world.memory[block_id] = read
         pool.complete_store(fetch.plan, success=accepted and not fetch.abandoned)
         del fetches[op.index]
     world.fetches = tuple(fetches)
 
 
-def _slot_taken_by_another(world: TierWorld, slot: int, fetch: Fetch) -> bool:
+def _slot_taken_by_another(world: TierWorld, block_id: int, fetch: Fetch) -> bool:
     state = world.pool.state
     return any(
-        block.slot == slot and block.store_plan != fetch.plan.plan_id
+        block.block_id == block_id and block.store_plan != fetch.plan.plan_id
         for block in state.blocks.values()
     )
 

@@ -123,7 +123,7 @@ VARIANTS = (
     Variant(
         "failed_store_leaks_slot",
         "a failed store drops its block but never frees the slot",
-        (("                self._release_slot(block.slot)\n", ""),),
+        (("                self._free(block.block_id)\n", ""),),
         crosshair="LruContracts.check_complete_store",
     ),
     Variant(
@@ -167,8 +167,8 @@ VARIANTS = (
         "abandon frees a stalled store's slots at once, though its job may still write them",
         (
             (
-                "quarantine.append(self.blocks.pop(key).slot)",
-                "self._release_slot(self.blocks.pop(key).slot)",
+                "quarantine.append(self.blocks.pop(key).block_id)",
+                "self._free(self.blocks.pop(key).block_id)",
             ),
         ),
         crosshair="LruContracts.check_abandon",
@@ -178,7 +178,8 @@ VARIANTS = (
         "reset_cache frees every slot, the quarantined ones included",
         (
             (
-                "[slot for slot in range(self.num_blocks) if slot not in quarantined]",
+                "[\n            block_id for block_id in range(self.num_blocks) if block_id not in "
+                "quarantined\n        ]",
                 "list(range(self.num_blocks))",
             ),
         ),
