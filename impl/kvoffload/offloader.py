@@ -25,7 +25,7 @@ from kvoffload.transfer.engine import (
     as_block_ids,
     require_distinct,
 )
-from kvoffload.transfer.jobs import JobResult
+from kvoffload.transfer.jobs import Direction, JobResult
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool, pool_size, require_memory
 from kvoffload.transfer.runs import IdArray
@@ -173,7 +173,7 @@ class Offloader:
         rows = [position[key] for key in plan.keys]
         try:
             source = device.reshape(-1, self.block_size_factor)[rows].ravel()
-            job = self.engine.submit_store(source, plan.block_ids)
+            job = self.engine._submit_trusted(Direction.STORE, source, self._pool_ids(plan))
         except BaseException:
             self.manager.complete_store(plan, success=False)
             raise
@@ -195,7 +195,7 @@ class Offloader:
         require_distinct("device_block_ids", device)
         plan = self.manager.prepare_load(keys)
         try:
-            job = self.engine.submit_load(plan.block_ids, device)
+            job = self.engine._submit_trusted(Direction.LOAD, device, self._pool_ids(plan))
         except BaseException:
             self.manager.complete_load(plan)
             raise
@@ -318,6 +318,21 @@ class Offloader:
                 f"(block_size_factor={self.block_size_factor}), got {len(device)}"
             )
         return device
+
+    def _pool_ids(self, plan: StorePlan | LoadPlan) -> IdArray:
+        """The CPU side of ``plan``, checked as ``submit_*`` would check it: a manager of the
+        caller's own may hand out block ids outside this pool, or one block twice for a
+        store. Device ids were checked before the manager planned; this is each id's only
+        check, the engine trusts both.
+        """
+        cpu = as_block_ids("cpu_block_ids", plan.block_ids, self.engine.pool.num_blocks)
+        if len(cpu) != len(plan.keys):
+            raise InvalidArgumentError(
+                f"the manager planned {len(plan.keys)} keys into {len(cpu)} block ids: {plan!r}"
+            )
+        if isinstance(plan, StorePlan):
+            require_distinct("cpu_block_ids", cpu)
+        return cpu
 
     def _track(self, plan: StorePlan | LoadPlan, job: int) -> None:
         self._plans[job] = plan
