@@ -209,6 +209,44 @@ def test_a_given_manager_sizes_the_pool() -> None:
         Offloader(tensors, manager=model, num_cpu_blocks=2)
 
 
+def test_stalled_reads_the_managers_plan_ages_and_keeps_none_of_its_own() -> None:
+    now = [0.0]
+    manager = OffloadManager(4, clock=lambda: now[0])
+    tensors, dim = make_cache("kv_split", num_blocks=8)
+    offloader = Offloader(tensors, block_dim=dim, manager=manager, stall_after=10.0)
+    plan = offloader.store(["a"], [0])  # finished, but not polled: still in flight here
+    assert plan is not None and offloader.stalled() == []
+    now[0] = 10.0
+    direct = manager.prepare_store(["z"])  # the manager's own plan: no job of this offloader
+    now[0] = 30.0
+    assert manager.stalled_plans(10.0) == [plan, direct]
+    assert offloader.stalled() == [plan] and offloader.stalled(older_than=25.0) == [plan]
+    assert offloader.stalled(older_than=30.5) == []
+    assert offloader._submitted_at == {}  # no second ledger
+    manager.abandon(plan)  # abandoned on the manager itself: no longer a candidate here
+    assert offloader.stalled() == []
+    offloader.close()
+
+
+def test_with_a_manager_that_keeps_no_ages_the_offloader_keeps_them() -> None:
+    tensors, dim = make_cache("kv_split", num_blocks=8)
+    offloader = Offloader(tensors, block_dim=dim, manager=OffloadModel(4))
+    plan = offloader.store(["a"], [0])
+    other = offloader.store(["b"], [1])
+    assert plan is not None and other is not None
+    assert offloader.stalled() == []  # younger than stall_after
+    assert offloader.stalled(older_than=1e-9) == [plan, other]
+    offloader.abandon(plan)
+    assert offloader.stalled(older_than=1e-9) == [other]
+    finished = settle(offloader)
+    assert [(done.plan, done.abandoned) for done in finished] == [
+        (plan, True),
+        (other, False),
+    ]
+    assert offloader.stalled(older_than=1e-9) == [] and offloader._submitted_at == {}
+    offloader.close()
+
+
 def test_a_byte_budget_sizes_pool_and_manager() -> None:
     tensors, _ = make_cache("cross_layer", num_blocks=4)  # 96-byte device blocks
     offloader = Offloader(tensors, cpu_bytes=1000, block_size_factor=2, policy="arc")

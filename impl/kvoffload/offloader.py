@@ -55,6 +55,14 @@ class BlockManager(Protocol):
     def reset_cache(self) -> None: ...
 
 
+@runtime_checkable
+class PlanAges(Protocol):
+    """A manager that keeps the age of its open plans (``OffloadManager`` does): the
+    offloader's ``stalled()`` reads them there rather than keeping a second ledger."""
+
+    def stalled_plans(self, older_than: float | None = None) -> list[StorePlan | LoadPlan]: ...
+
+
 @dataclass(frozen=True)
 class Finished:
     """A plan whose copy job finished; the manager has completed it already.
@@ -85,7 +93,8 @@ class Offloader:
     manages. Without ``manager``, an ``OffloadManager(num_blocks, policy)`` is built.
     ``threaded`` runs CPU jobs on worker threads (CUDA jobs always run on streams).
     ``stall_after`` (seconds) is the age from which ``stalled()`` (and the built manager's
-    ``stats()``) counts a job in flight as stalled.
+    ``stats()``) counts a plan in flight as stalled; its age is the manager's (by the
+    manager's clock) where the manager keeps ages, as ``OffloadManager`` does.
     """
 
     def __init__(
@@ -129,10 +138,14 @@ class Offloader:
         # Every method runs under this lock (waits excepted): the manager and the job tables
         # are not safe to share between threads, and a reset must not let a job start.
         self._lock = threading.Lock()
+        # The job handles, which only the offloader knows (docs/data_path.md, "One ledger"):
         self._plans: dict[int, StorePlan | LoadPlan] = {}  # job id -> its plan, in flight
         self._job_of: dict[int, int] = {}  # plan id -> job id, in flight
-        self._submitted_at: dict[int, float] = {}  # job id -> time.monotonic(), in flight
         self._abandoned: set[int] = set()  # job ids in flight whose plans were abandoned
+        # Plan ages: the manager's own ledger where it keeps one; else, and only then, the
+        # offloader's: job id -> time.monotonic() at submission, in flight.
+        self._ages: PlanAges | None = manager if isinstance(manager, PlanAges) else None
+        self._submitted_at: dict[int, float] = {}
 
     @property
     def block_size_factor(self) -> int:
@@ -212,7 +225,8 @@ class Offloader:
         for result in self.engine.poll():
             job = result.job_id
             plan = self._plans.pop(job)
-            del self._job_of[plan.plan_id], self._submitted_at[job]
+            del self._job_of[plan.plan_id]
+            self._submitted_at.pop(job, None)
             abandoned = job in self._abandoned
             self._abandoned.discard(job)
             if isinstance(plan, StorePlan):
@@ -250,11 +264,20 @@ class Offloader:
         """
         age = self._stall_after if older_than is None else check_seconds("older_than", older_than)
         with self._lock:
-            cutoff = time.monotonic() - age
+            if self._ages is None:
+                cutoff = time.monotonic() - age
+                return [
+                    self._plans[job]
+                    for job, submitted in self._submitted_at.items()
+                    if submitted <= cutoff and job not in self._abandoned
+                ]
+            # The manager's open plans by age, its abandoned ones left out; of those, the
+            # ones in flight here (a plan made on the manager directly has no job here).
+            in_flight = self._job_of
             return [
-                self._plans[job]
-                for job, submitted in self._submitted_at.items()
-                if submitted <= cutoff and job not in self._abandoned
+                plan
+                for plan in self._ages.stalled_plans(age)
+                if (job := in_flight.get(plan.plan_id)) is not None and job not in self._abandoned
             ]
 
     def abandon(self, plan: StorePlan | LoadPlan) -> None:
@@ -337,7 +360,8 @@ class Offloader:
     def _track(self, plan: StorePlan | LoadPlan, job: int) -> None:
         self._plans[job] = plan
         self._job_of[plan.plan_id] = job
-        self._submitted_at[job] = time.monotonic()
+        if self._ages is None:
+            self._submitted_at[job] = time.monotonic()
 
     def _unabandoned(self) -> list[int]:
         return [job for job in self._plans if job not in self._abandoned]
