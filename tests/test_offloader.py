@@ -12,6 +12,7 @@ import torch
 
 from kvoffload import Finished, Offloader
 from kvoffload.manager import OffloadManager
+from kvoffload.policies import LruPolicy
 from kvoffload.transfer import EngineClosedError
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, InvalidArgumentError
@@ -245,6 +246,22 @@ def test_with_a_manager_that_keeps_no_ages_the_offloader_keeps_them() -> None:
     ]
     assert offloader.stalled(older_than=1e-9) == [] and offloader._submitted_at == {}
     offloader.close()
+
+
+class ExplodingPolicy(LruPolicy):
+    def __init__(self, capacity: int) -> None:
+        raise RuntimeError("this policy cannot be built")
+
+
+def test_a_manager_that_cannot_be_built_leaves_no_engine_behind() -> None:
+    tensors, dim = make_cache("kv_split", num_blocks=8)
+    threads = threading.active_count()
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        Offloader(tensors, block_dim=dim, num_cpu_blocks=4, policy=ExplodingPolicy, threaded=True)
+    assert threading.active_count() == threads  # the engine's workers were stopped
+    with pytest.raises(InvalidArgumentError, match="manages 3 blocks but the pool has 4"):
+        Offloader(tensors, block_dim=dim, num_cpu_blocks=4, manager=OffloadModel(3), threaded=True)
+    assert threading.active_count() == threads
 
 
 def test_a_byte_budget_sizes_pool_and_manager() -> None:

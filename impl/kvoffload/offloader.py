@@ -26,16 +26,15 @@ from kvoffload.transfer.engine import (
     require_distinct,
 )
 from kvoffload.transfer.jobs import Direction, JobResult
-from kvoffload.transfer.layout import KVLayout
-from kvoffload.transfer.pool import CpuBlockPool, pool_size, require_memory
 from kvoffload.transfer.runs import IdArray
 from kvoffload_spec.errors import InvalidArgumentError, PlanAlreadyAbandonedError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
-from kvoffload_spec.validation import check_count, check_keys, check_seconds
+from kvoffload_spec.validation import check_keys, check_seconds
 
 if TYPE_CHECKING:
     import torch
 
+    from kvoffload.policies.base import EvictionPolicy
     from kvoffload.transfer.engine import BlockIds
 
 
@@ -90,7 +89,8 @@ class Offloader:
     A key names one CPU block, which holds ``block_size_factor`` device blocks: ``store``
     and ``load`` take ``block_size_factor`` device block ids per key, in order. The pool has
     ``num_cpu_blocks`` blocks, or as many as ``cpu_bytes`` holds, or as many as ``manager``
-    manages. Without ``manager``, an ``OffloadManager(num_blocks, policy)`` is built.
+    manages. Without ``manager``, an ``OffloadManager(num_blocks, policy)`` is built (the
+    pool first: ``TransferEngine.for_cache`` builds it, and the engine).
     ``threaded`` runs CPU jobs on worker threads (CUDA jobs always run on streams).
     ``stall_after`` (seconds) is the age from which ``stalled()`` (and the built manager's
     ``stats()``) counts a plan in flight as stalled; its age is the manager's (by the
@@ -105,35 +105,48 @@ class Offloader:
         cpu_bytes: int | None = None,
         block_dim: int | Sequence[int] = 0,
         block_size_factor: int = 1,
-        policy: str = "lru",
+        policy: str | type[EvictionPolicy] = "lru",
         manager: BlockManager | None = None,
         prefault: bool = False,
         threaded: bool = False,
         stall_after: float = 300.0,
     ) -> None:
-        layout = KVLayout(kv_caches, block_dim)
-        factor = check_count("block_size_factor", block_size_factor)
         self._stall_after = check_seconds("stall_after", stall_after)
-        block_bytes = factor * layout.bytes_per_block
         if manager is not None and not isinstance(manager, BlockManager):
             raise InvalidArgumentError(
                 f"manager must be an OffloadManager (or have its methods), got {manager!r}"
             )
-        if manager is not None and num_cpu_blocks is None and cpu_bytes is None:
-            num_cpu_blocks = manager.num_blocks
-        count = pool_size(block_bytes, num_cpu_blocks, cpu_bytes)
-        # Before the manager, which allocates per block: a huge pool must fail typed.
-        require_memory(count * block_bytes, f"a CPU pool of {count} blocks x {block_bytes} bytes")
         if manager is None:
-            from kvoffload.manager import OffloadManager
+            # Resolved first: an unknown policy fails before the pool is allocated.
+            from kvoffload.policies.loading import resolve_policy
 
-            manager = OffloadManager(count, policy, stall_after=stall_after)
-        elif manager.num_blocks != count:
-            raise InvalidArgumentError(
-                f"the manager manages {manager.num_blocks} blocks but the pool has {count}"
-            )
-        pool = CpuBlockPool(block_bytes, count, pin=layout.device.type == "cuda", prefault=prefault)
-        self.engine = TransferEngine(layout, pool, block_size_factor=factor, threaded=threaded)
+            policy_class = resolve_policy(policy)
+        elif num_cpu_blocks is None and cpu_bytes is None:
+            num_cpu_blocks = manager.num_blocks
+        # The pool checks its size against this machine's memory before it allocates, and
+        # before the manager, which allocates per block, is built.
+        self.engine = TransferEngine.for_cache(
+            kv_caches,
+            num_cpu_blocks=num_cpu_blocks,
+            cpu_bytes=cpu_bytes,
+            block_dim=block_dim,
+            block_size_factor=block_size_factor,
+            prefault=prefault,
+            threaded=threaded,
+        )
+        count = self.engine.pool.num_blocks
+        try:
+            if manager is None:
+                from kvoffload.manager import OffloadManager
+
+                manager = OffloadManager(count, policy_class, stall_after=stall_after)
+            elif manager.num_blocks != count:
+                raise InvalidArgumentError(
+                    f"the manager manages {manager.num_blocks} blocks but the pool has {count}"
+                )
+        except BaseException:  # e.g. a policy's own constructor failed: release the pool
+            self.engine.close()
+            raise
         self.manager = manager
         # Every method runs under this lock (waits excepted): the manager and the job tables
         # are not safe to share between threads, and a reset must not let a job start.
