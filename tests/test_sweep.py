@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 import kvoffload.sweep
 from kvoffload.belady import belady_hits
+from kvoffload.device_cache import DevicePrefixCache
 from kvoffload.policies import LruPolicy
 from kvoffload.sweep import (
     CacheTier,
-    DevicePrefixCache,
     PolicyName,
     SweepPoint,
     cpu_stream,

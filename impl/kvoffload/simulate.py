@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvoffload.belady import belady_hits
-from kvoffload.sweep import DevicePrefixCache
+from kvoffload.device_cache import DevicePrefixCache
 from kvoffload.traces import BlockId, Request, Trace
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
