@@ -175,13 +175,19 @@ def test_simulate_notices_a_load_that_brings_back_the_wrong_bytes(
     small_trace: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvoffload.transfer.engine import TransferEngine
+    from kvoffload.transfer.jobs import Direction
+    from kvoffload.transfer.runs import IdArray
 
-    real_submit_load = TransferEngine.submit_load
+    real_submit = TransferEngine._submit_trusted  # the offloader's entry: ids checked already
 
-    def always_block_zero(engine: TransferEngine, cpu: object, device: object) -> int:
-        return real_submit_load(engine, np.zeros(len(cpu), dtype=np.int64), device)  # type: ignore[arg-type]
+    def loads_from_block_zero(
+        engine: TransferEngine, direction: Direction, device: IdArray, cpu: IdArray
+    ) -> int:
+        if direction is Direction.LOAD:
+            cpu = np.zeros(len(cpu), dtype=np.int64)
+        return real_submit(engine, direction, device, cpu)
 
-    monkeypatch.setattr(TransferEngine, "submit_load", always_block_zero)
+    monkeypatch.setattr(TransferEngine, "_submit_trusted", loads_from_block_zero)
     argv = ["simulate", "--trace", small_trace, "--gpu-blocks", "10", "--cpu-blocks", "20"]
     code, out, err = run([*argv, "--json"], capsys)
     assert code == 1
