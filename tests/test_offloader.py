@@ -16,7 +16,7 @@ from kvoffload.policies import LruPolicy
 from kvoffload.transfer import EngineClosedError
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, InvalidArgumentError
-from kvoffload_spec.surface import Lookup
+from kvoffload_spec.surface import Lookup, ManagerOperations, ManagerSurface
 from tests.test_layout import DEVICES, make_cache, reference_block
 
 
@@ -262,6 +262,20 @@ def test_a_manager_that_cannot_be_built_leaves_no_engine_behind() -> None:
     with pytest.raises(InvalidArgumentError, match="manages 3 blocks but the pool has 4"):
         Offloader(tensors, block_dim=dim, num_cpu_blocks=4, manager=OffloadModel(3), threaded=True)
     assert threading.active_count() == threads
+
+
+def test_the_managers_offer_the_one_protocol_the_offloader_drives() -> None:
+    from kvoffload.simulate import TimedManager
+
+    manager = OffloadManager(2)
+    for whole in (manager, OffloadModel(2)):
+        assert isinstance(whole, ManagerSurface) and isinstance(whole, ManagerOperations)
+    timed = TimedManager(manager)  # a wrapper: the operations only, which is enough
+    assert isinstance(timed, ManagerOperations) and not isinstance(timed, ManagerSurface)
+    tensors, dim = make_cache("kv_split", num_blocks=8)
+    assert Offloader(tensors, block_dim=dim, manager=timed).manager is timed
+    with pytest.raises(InvalidArgumentError, match="manager must be an OffloadManager"):
+        Offloader(tensors, block_dim=dim, num_cpu_blocks=2, manager=object())  # type: ignore[arg-type]
 
 
 def test_a_byte_budget_sizes_pool_and_manager() -> None:

@@ -15,7 +15,6 @@ from kvoffload.belady import belady_hits
 from kvoffload.device_cache import DevicePrefixCache
 from kvoffload.policies import LruPolicy
 from kvoffload.sweep import (
-    CacheTier,
     PolicyName,
     SweepPoint,
     cpu_stream,
@@ -26,7 +25,7 @@ from kvoffload.sweep import (
 from kvoffload.traces import Request, Trace, bundled_trace
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
-from kvoffload_spec.surface import Key
+from kvoffload_spec.surface import Key, ManagerOperations
 
 
 def test_module_examples() -> None:
@@ -88,7 +87,7 @@ def plain_lru(requests: Sequence[Request], capacity: int) -> int:
     return hits
 
 
-def model_tier(policy: PolicyName, capacity: int) -> CacheTier:
+def model_tier(policy: PolicyName, capacity: int) -> ManagerOperations:
     assert isinstance(policy, str), "the spec knows the built-in policies by name only"
     return OffloadModel(capacity, policy)
 

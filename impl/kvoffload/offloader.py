@@ -28,7 +28,7 @@ from kvoffload.transfer.engine import (
 from kvoffload.transfer.jobs import Direction, JobResult
 from kvoffload.transfer.runs import IdArray
 from kvoffload_spec.errors import InvalidArgumentError, PlanAlreadyAbandonedError
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, ManagerOperations, StorePlan
 from kvoffload_spec.validation import check_keys, check_seconds
 
 if TYPE_CHECKING:
@@ -36,22 +36,6 @@ if TYPE_CHECKING:
 
     from kvoffload.policies.base import EvictionPolicy
     from kvoffload.transfer.engine import BlockIds
-
-
-@runtime_checkable
-class BlockManager(Protocol):
-    """The manager surface the facade drives (``OffloadManager`` and the spec's model)."""
-
-    @property
-    def num_blocks(self) -> int: ...
-    def lookup(self, key: Key) -> Lookup: ...
-    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None: ...
-    def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
-    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan: ...
-    def complete_load(self, plan: LoadPlan) -> None: ...
-    def abandon(self, plan: StorePlan | LoadPlan) -> None: ...
-    def touch(self, keys: Sequence[Key]) -> None: ...
-    def reset_cache(self) -> None: ...
 
 
 @runtime_checkable
@@ -106,13 +90,13 @@ class Offloader:
         block_dim: int | Sequence[int] = 0,
         block_size_factor: int = 1,
         policy: str | type[EvictionPolicy] = "lru",
-        manager: BlockManager | None = None,
+        manager: ManagerOperations | None = None,
         prefault: bool = False,
         threaded: bool = False,
         stall_after: float = 300.0,
     ) -> None:
         self._stall_after = check_seconds("stall_after", stall_after)
-        if manager is not None and not isinstance(manager, BlockManager):
+        if manager is not None and not isinstance(manager, ManagerOperations):
             raise InvalidArgumentError(
                 f"manager must be an OffloadManager (or have its methods), got {manager!r}"
             )

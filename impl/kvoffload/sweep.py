@@ -44,7 +44,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvoffload.belady import belady_hits
 from kvoffload.device_cache import DevicePrefixCache
@@ -52,7 +51,7 @@ from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.loading import BUILTIN_POLICIES, resolve_policy
 from kvoffload.traces import Request, Trace
 from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
-from kvoffload_spec.surface import Key, Lookup, StorePlan
+from kvoffload_spec.surface import Key, Lookup, ManagerOperations
 from kvoffload_spec.validation import check_count
 
 BELADY = "belady"  # the offline optimum: not a policy a manager runs, computed on the side
@@ -63,28 +62,16 @@ PolicyName = str | type[EvictionPolicy]
 """A built-in name, ``"belady"``, ``"module:Class"`` or an ``EvictionPolicy`` subclass."""
 
 
-class CacheTier(Protocol):
-    """The part of the manager's surface a replay drives (``OffloadManager`` has it)."""
-
-    def lookup(self, key: Key) -> Lookup: ...
-
-    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None: ...
-
-    def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
-
-    def touch(self, keys: Sequence[Key]) -> None: ...
-
-
-TierFactory = Callable[[PolicyName, int], CacheTier]
+TierFactory = Callable[[PolicyName, int], ManagerOperations]
 """Builds a CPU tier from a policy (a built-in name or a policy class) and a capacity in
 blocks."""
 
 
-def new_manager(policy: PolicyName, capacity: int) -> CacheTier:
+def new_manager(policy: PolicyName, capacity: int) -> ManagerOperations:
     """The production manager: fast enough for whole traces at any capacity."""
     from kvoffload.manager import OffloadManager
 
-    manager: CacheTier = OffloadManager(capacity, policy)
+    manager: ManagerOperations = OffloadManager(capacity, policy)
     return manager
 
 
@@ -99,14 +86,14 @@ class TierCounts:
     rejected_stores: int = 0  # prepare_store calls that could not place their blocks
 
 
-def longest_resident_prefix(request: Sequence[Key], tier: CacheTier) -> int:
+def longest_resident_prefix(request: Sequence[Key], tier: ManagerOperations) -> int:
     for hits, key in enumerate(request):
         if tier.lookup(key) is not Lookup.HIT:
             return hits
     return len(request)
 
 
-def replay(requests: Sequence[Request], tier: CacheTier) -> TierCounts:
+def replay(requests: Sequence[Request], tier: ManagerOperations) -> TierCounts:
     """Drive ``tier`` through ``requests`` in the engine's call order (module docstring)."""
     counts = TierCounts()
     for request in requests:
