@@ -28,7 +28,7 @@ from kvoffload.transfer.engine import (
 from kvoffload.transfer.jobs import Direction, JobResult
 from kvoffload.transfer.runs import IdArray
 from kvoffload_spec.errors import InvalidArgumentError, PlanAlreadyAbandonedError
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, ManagerOperations, StorePlan
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, ManagerOperations, Plan, StorePlan
 from kvoffload_spec.validation import check_keys, check_seconds
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class PlanAges(Protocol):
     """A manager that keeps the age of its open plans (``OffloadManager`` does): the
     offloader's ``stalled()`` reads them there rather than keeping a second ledger."""
 
-    def stalled_plans(self, older_than: float | None = None) -> list[StorePlan | LoadPlan]: ...
+    def stalled_plans(self, older_than: float | None = None) -> list[Plan]: ...
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Finished:
     no longer touch its device blocks, which may be reused.
     """
 
-    plan: StorePlan | LoadPlan
+    plan: Plan
     result: JobResult
     abandoned: bool = False
 
@@ -136,7 +136,7 @@ class Offloader:
         # are not safe to share between threads, and a reset must not let a job start.
         self._lock = threading.Lock()
         # The job handles, which only the offloader knows (docs/data_path.md, "One ledger"):
-        self._plans: dict[int, StorePlan | LoadPlan] = {}  # job id -> its plan, in flight
+        self._plans: dict[int, Plan] = {}  # job id -> its plan, in flight
         self._job_of: dict[int, int] = {}  # plan id -> job id, in flight
         self._abandoned: set[int] = set()  # job ids in flight whose plans were abandoned
         # Plan ages: the manager's own ledger where it keeps one; else, and only then, the
@@ -233,9 +233,7 @@ class Offloader:
             finished.append(Finished(plan, result, abandoned))
         return finished
 
-    def wait(
-        self, plans: Sequence[StorePlan | LoadPlan] | None = None, timeout: float | None = None
-    ) -> bool:
+    def wait(self, plans: Sequence[Plan] | None = None, timeout: float | None = None) -> bool:
         """Block until the jobs of ``plans`` (default: all in flight but the abandoned ones)
         finished, or ``timeout`` seconds passed; True if they all finished. ``poll`` then
         completes them. Other threads may use the offloader meanwhile.
@@ -255,7 +253,7 @@ class Offloader:
             job = self._job(plan)
         self.engine.stream_wait(job, stream)
 
-    def stalled(self, older_than: float | None = None) -> list[StorePlan | LoadPlan]:
+    def stalled(self, older_than: float | None = None) -> list[Plan]:
         """The plans in flight, not abandoned, submitted more than ``older_than`` seconds
         ago (default: ``stall_after``), oldest first: the candidates for ``abandon``.
         """
@@ -277,7 +275,7 @@ class Offloader:
                 if (job := in_flight.get(plan.plan_id)) is not None and job not in self._abandoned
             ]
 
-    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+    def abandon(self, plan: Plan) -> None:
         """Give up waiting for the job of ``plan`` (it stalled): the manager releases what
         the plan holds now, safely (see ``OffloadManager.abandon``: a store's slots stay
         quarantined until the job reports). ``poll`` reports the job when it ends, as
@@ -339,7 +337,7 @@ class Offloader:
             )
         return device
 
-    def _pool_ids(self, plan: StorePlan | LoadPlan) -> IdArray:
+    def _pool_ids(self, plan: Plan) -> IdArray:
         """The CPU side of ``plan``, checked as ``submit_*`` would check it: a manager of the
         caller's own may hand out block ids outside this pool, or one block twice for a
         store. Device ids were checked before the manager planned; this is each id's only
@@ -354,7 +352,7 @@ class Offloader:
             require_distinct("cpu_block_ids", cpu)
         return cpu
 
-    def _track(self, plan: StorePlan | LoadPlan, job: int) -> None:
+    def _track(self, plan: Plan, job: int) -> None:
         self._plans[job] = plan
         self._job_of[plan.plan_id] = job
         if self._ages is None:
@@ -363,8 +361,8 @@ class Offloader:
     def _unabandoned(self) -> list[int]:
         return [job for job in self._plans if job not in self._abandoned]
 
-    def _job(self, plan: StorePlan | LoadPlan) -> int:
-        job = self._job_of.get(plan.plan_id) if isinstance(plan, (StorePlan, LoadPlan)) else None
+    def _job(self, plan: Plan) -> int:
+        job = self._job_of.get(plan.plan_id) if isinstance(plan, Plan) else None
         if job is None or self._plans[job] != plan:
             raise InvalidArgumentError(
                 f"{plan!r} is not in flight in this offloader: pass a plan its store or load "

@@ -30,7 +30,7 @@ from kvoffload.belady import belady_hits
 from kvoffload.device_cache import DevicePrefixCache
 from kvoffload.traces import BlockId, Request, Trace
 from kvoffload_spec.errors import InvalidArgumentError
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
 from kvoffload_spec.validation import check_count
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class TimedManager:
         self.inner.complete_load(plan)
         self._timed("complete_load", started)
 
-    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+    def abandon(self, plan: Plan) -> None:
         started = time.perf_counter_ns()
         self.inner.abandon(plan)
         self._timed("abandon", started)

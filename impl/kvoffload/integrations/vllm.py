@@ -51,6 +51,7 @@ from kvoffload_spec.surface import (
     Event,
     LoadPlan,
     Lookup,
+    Plan,
     RemovalReason,
     StorePlan,
 )
@@ -112,7 +113,7 @@ class KvoffloadManager(OffloadingManager):
         self._store_plan_of: dict[OffloadKey, StorePlan] = {}  # pending key -> its open plan
         self._store_left: dict[int, set[OffloadKey]] = {}  # plan id -> keys not completed yet
         self._load_plans: defaultdict[frozenset[OffloadKey], deque[LoadPlan]] = defaultdict(deque)
-        self._abandoned: list[StorePlan | LoadPlan] = []  # due at on_reset_flushed
+        self._abandoned: list[Plan] = []  # due at on_reset_flushed
         self._generation = 0
         self._allocation_sizes: list[int] = []
 
@@ -210,7 +211,7 @@ class KvoffloadManager(OffloadingManager):
         # workers have reported them all. Abandon their plans first: a store's slots stay
         # quarantined (handed to no one) until then, so an old copy cannot land in a slot a
         # new key was given.
-        open_plans: list[StorePlan | LoadPlan] = list(
+        open_plans: list[Plan] = list(
             {plan.plan_id: plan for plan in self._store_plan_of.values()}.values()
         )
         open_plans += [plan for plans in self._load_plans.values() for plan in plans]
