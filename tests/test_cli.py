@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvoffload.cli import main
-from kvoffload.policies import BUILTIN_POLICIES
+from kvoffload.policies import BUILTIN_POLICIES, resolve_policy
 from kvoffload.policies.lru import LruPolicy
 from kvoffload.sweep import SWEEP_POLICIES, cpu_stream, new_manager, replay
 from kvoffload.traces import load_trace
@@ -142,6 +142,17 @@ def test_sweep_plot_needs_matplotlib_or_draws_the_curves(
     else:
         assert code == 0
         assert target.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_policy_registry_names_the_specs_policies() -> None:
+    """One table of built-in policies (the impl's); the spec, stdlib-only, cannot read it and
+    names the same ones, in the same order."""
+    from kvoffload_spec.policies import POLICY_NAMES
+
+    assert tuple(BUILTIN_POLICIES) == POLICY_NAMES
+    assert (*POLICY_NAMES, "belady") == SWEEP_POLICIES
+    for name, policy_class in BUILTIN_POLICIES.items():
+        assert resolve_policy(name) is policy_class
 
 
 # -- simulate --------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # the policy registry is a few small modules (no torch, no numpy): read names from it
     from kvoffload.policies.loading import BUILTIN_POLICIES
-    from kvoffload.sweep import BELADY, DEFAULT_CAPACITIES, SWEEP_POLICIES
+    from kvoffload.sweep import DEFAULT_CAPACITIES, SWEEP_POLICIES
 
     builtin = "|".join(BUILTIN_POLICIES)
     parser = argparse.ArgumentParser(
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_name_list,
         default=",".join(SWEEP_POLICIES),
         metavar="P,P,...",
-        help=f"any of {', '.join([*BUILTIN_POLICIES, BELADY])}, or your own as module:Class "
+        help=f"any of {', '.join(SWEEP_POLICIES)}, or your own as module:Class "
         "(its column is the class name) (default: %(default)s)",
     )
     sweep.add_argument(

@@ -55,7 +55,7 @@ from kvoffload_spec.surface import Key, Lookup, ManagerOperations
 from kvoffload_spec.validation import check_count
 
 BELADY = "belady"  # the offline optimum: not a policy a manager runs, computed on the side
-SWEEP_POLICIES = (*BUILTIN_POLICIES, BELADY)  # every built-in policy, and the optimum
+SWEEP_POLICIES = (*BUILTIN_POLICIES, BELADY)  # the registry's policies, and the optimum
 DEFAULT_CAPACITIES = (1000, 4000, 16000, 64000)
 
 PolicyName = str | type[EvictionPolicy]
@@ -150,7 +150,7 @@ def label_policies(policies: Sequence[PolicyName]) -> dict[str, PolicyName]:
         if policy == BELADY or (isinstance(policy, str) and policy in BUILTIN_POLICIES):
             label, resolved = str(policy), policy
         elif isinstance(policy, str) and ":" not in policy:
-            known = ", ".join([*BUILTIN_POLICIES, BELADY])
+            known = ", ".join(SWEEP_POLICIES)
             raise UnknownPolicyError(
                 f"unknown policy {policy!r}: choose among {known}, or name your own as "
                 "'module:Class'"
