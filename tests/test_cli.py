@@ -155,6 +155,29 @@ def test_the_policy_registry_names_the_specs_policies() -> None:
         assert resolve_policy(name) is policy_class
 
 
+def test_every_entry_point_takes_its_defaults_from_the_one_place() -> None:
+    import inspect
+
+    from kvoffload import Offloader, OffloadManager
+    from kvoffload.cli import build_parser
+    from kvoffload.simulate import SimulationConfig
+    from kvoffload_spec import defaults
+
+    def default_of(function: object, name: str) -> object:
+        return inspect.signature(function).parameters[name].default  # type: ignore[arg-type]
+
+    assert default_of(Offloader, "policy") == defaults.DEFAULT_POLICY
+    assert default_of(Offloader, "stall_after") == defaults.DEFAULT_STALL_AFTER
+    assert default_of(OffloadManager, "policy") == defaults.DEFAULT_POLICY
+    assert default_of(OffloadManager, "store_threshold") == defaults.DEFAULT_STORE_THRESHOLD
+    assert default_of(OffloadManager, "max_tracker_size") == defaults.DEFAULT_MAX_TRACKER_SIZE
+    assert default_of(OffloadManager, "stall_after") == defaults.DEFAULT_STALL_AFTER
+    assert SimulationConfig().policy == defaults.DEFAULT_POLICY
+    parser = build_parser()
+    for command in ("simulate", "verify"):
+        assert parser.parse_args([command]).policy == defaults.DEFAULT_POLICY
+
+
 # -- simulate --------------------------------------------------------------------------------
 
 

@@ -30,6 +30,17 @@ from kvoffload.integrations.vllm import KvoffloadManager
 from kvoffload.policies import BUILTIN_POLICIES
 
 
+def test_the_adapter_takes_its_defaults_from_the_one_place() -> None:
+    import inspect
+
+    from kvoffload_spec import defaults
+
+    parameters = inspect.signature(KvoffloadManager).parameters
+    assert parameters["eviction_policy"].default == defaults.DEFAULT_POLICY
+    assert parameters["store_threshold"].default == defaults.DEFAULT_STORE_THRESHOLD
+    assert parameters["max_tracker_size"].default == defaults.DEFAULT_MAX_TRACKER_SIZE
+
+
 def key(name: str) -> OffloadKey:
     return make_offload_key(name.encode(), 0)
 

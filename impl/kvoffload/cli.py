@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the policy registry is a few small modules (no torch, no numpy): read names from it
     from kvoffload.policies.loading import BUILTIN_POLICIES
     from kvoffload.sweep import DEFAULT_CAPACITIES, SWEEP_POLICIES
+    from kvoffload_spec.defaults import DEFAULT_POLICY
 
     builtin = "|".join(BUILTIN_POLICIES)
     parser = argparse.ArgumentParser(
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--policy",
-        default="lru",
+        default=DEFAULT_POLICY,
         metavar=f"{builtin}|module:Class",
         help="the CPU pool's eviction policy: a built-in one, or your own EvictionPolicy "
         "subclass, imported from the current directory or PYTHONPATH (default: %(default)s)",
@@ -202,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument(
         "--policy",
-        default="lru",
+        default=DEFAULT_POLICY,
         metavar=f"{builtin}|module:Class",
         help="the policy to check: a built-in one, or your own EvictionPolicy subclass, "
         "imported from the current directory or PYTHONPATH (default: %(default)s)",

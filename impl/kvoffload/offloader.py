@@ -27,6 +27,7 @@ from kvoffload.transfer.engine import (
 )
 from kvoffload.transfer.jobs import Direction, JobResult
 from kvoffload.transfer.runs import IdArray
+from kvoffload_spec.defaults import DEFAULT_POLICY, DEFAULT_STALL_AFTER
 from kvoffload_spec.errors import InvalidArgumentError, PlanAlreadyAbandonedError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, ManagerOperations, Plan, StorePlan
 from kvoffload_spec.validation import check_keys, check_seconds
@@ -89,11 +90,11 @@ class Offloader:
         cpu_bytes: int | None = None,
         block_dim: int | Sequence[int] = 0,
         block_size_factor: int = 1,
-        policy: str | type[EvictionPolicy] = "lru",
+        policy: str | type[EvictionPolicy] = DEFAULT_POLICY,
         manager: ManagerOperations | None = None,
         prefault: bool = False,
         threaded: bool = False,
-        stall_after: float = 300.0,
+        stall_after: float = DEFAULT_STALL_AFTER,
     ) -> None:
         self._stall_after = check_seconds("stall_after", stall_after)
         if manager is not None and not isinstance(manager, ManagerOperations):

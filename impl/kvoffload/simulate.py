@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from kvoffload.belady import belady_hits
 from kvoffload.device_cache import DevicePrefixCache
 from kvoffload.traces import BlockId, Request, Trace
+from kvoffload_spec.defaults import DEFAULT_POLICY
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
 from kvoffload_spec.validation import check_count
@@ -46,7 +47,7 @@ class SimulationConfig:
 
     gpu_blocks: int = 1024
     cpu_blocks: int = 4096
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     block_bytes: int = 4096
     max_requests: int | None = None
 

@@ -17,6 +17,11 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvoffload.manager import OffloadManager
+from kvoffload_spec.defaults import (
+    DEFAULT_MAX_TRACKER_SIZE,
+    DEFAULT_POLICY,
+    DEFAULT_STORE_THRESHOLD,
+)
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Lookup
 
@@ -60,11 +65,12 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             self._host = mem_pool_host
             self._page_dtype = page.dtype
             self._pool = torch.empty((num_pages, page_bytes), dtype=torch.uint8)
+            extra = self._extra
             self._manager = OffloadManager(
                 num_pages,
-                str(self._extra.get("eviction_policy", "lru")),
-                store_threshold=max(1, int(self._extra.get("store_threshold", 1))),
-                max_tracker_size=int(self._extra.get("max_tracker_size", 64_000)),
+                str(extra.get("eviction_policy", DEFAULT_POLICY)),
+                store_threshold=max(1, int(extra.get("store_threshold", DEFAULT_STORE_THRESHOLD))),
+                max_tracker_size=int(extra.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)),
             )
 
     @property

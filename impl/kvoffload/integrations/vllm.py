@@ -44,6 +44,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.manager import OffloadManager
 from kvoffload.transfer import CpuBlockPool, KVLayout, TransferEngine
+from kvoffload_spec.defaults import (
+    DEFAULT_MAX_TRACKER_SIZE,
+    DEFAULT_POLICY,
+    DEFAULT_STORE_THRESHOLD,
+)
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import (
     BlocksRemoved,
@@ -88,10 +93,10 @@ class KvoffloadManager(OffloadingManager):
     def __init__(
         self,
         num_chunks: int,
-        eviction_policy: str = "lru",
+        eviction_policy: str = DEFAULT_POLICY,
         *,
-        store_threshold: int = 1,
-        max_tracker_size: int = 64_000,
+        store_threshold: int = DEFAULT_STORE_THRESHOLD,
+        max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
         enable_events: bool = False,
         config_info: ConfigInfoMapping | None = None,
         manager: OffloadManager | None = None,
@@ -316,9 +321,9 @@ def _manager_for(spec: CPUOffloadingSpec) -> KvoffloadManager:
     extra: dict[str, Any] = dict(spec.extra_config)
     return KvoffloadManager(
         spec.num_chunks,
-        str(extra.get("eviction_policy", "lru")),
-        store_threshold=int(extra.get("store_threshold", 0)),
-        max_tracker_size=int(extra.get("max_tracker_size", 64_000)),
+        str(extra.get("eviction_policy", DEFAULT_POLICY)),
+        store_threshold=int(extra.get("store_threshold", DEFAULT_STORE_THRESHOLD)),
+        max_tracker_size=int(extra.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)),
         enable_events=spec.kv_events_config.enable_kv_cache_events,
         config_info=spec.cpu_info.as_config_info(),
     )
