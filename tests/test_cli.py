@@ -341,6 +341,21 @@ def test_a_malformed_trace_names_the_line(
     assert code == 1 and "broken.jsonl:2: not valid JSON" in err
 
 
+@pytest.mark.parametrize("budget", ["0", "-1", "inf", "nan", "soon"])
+def test_a_budget_is_checked_as_every_duration_is(
+    budget: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI's seconds are the library's: a finite number > 0 (check_seconds)."""
+    code, out, err = run(["verify", "--budget", budget], capsys)
+    assert (code, out) == (2, "")
+    expected = (
+        f"{budget!r} is not a number of seconds"
+        if budget == "soon"
+        else f"the value must be a finite number of seconds > 0, got {float(budget)!r}"
+    )
+    assert f"argument --budget: {expected}" in err
+
+
 @pytest.mark.parametrize(
     "argv",
     [

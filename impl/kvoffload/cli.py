@@ -304,13 +304,17 @@ def _name_list(text: str) -> list[str]:
 
 
 def _seconds(text: str) -> float:
+    from kvoffload_spec.errors import InvalidArgumentError
+    from kvoffload_spec.validation import check_seconds
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be more than 0 seconds")
-    return value
+    try:
+        return check_seconds("the value", value)
+    except InvalidArgumentError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 # -- the commands ---------------------------------------------------------------------------
