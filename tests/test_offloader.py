@@ -118,7 +118,7 @@ def test_an_empty_plan_still_completes() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_failed_store_is_never_readable_and_its_slot_is_reused(device: str) -> None:
+def test_a_failed_store_is_never_readable_and_its_block_id_is_reused(device: str) -> None:
     offloader, tensors, dim = build(device=device, cpu_blocks=2)
     offloader.engine.fault_hook = FailJob(0, run=1)  # after the K run, before the V run
     plan = offloader.store(["a"], [0])
@@ -129,7 +129,7 @@ def test_a_failed_store_is_never_readable_and_its_slot_is_reused(device: str) ->
     with pytest.raises(BlockNotFoundError):
         offloader.load(["a"], [5])
     again = offloader.store(["b"], [3])
-    assert again is not None and again.block_ids == plan.block_ids  # the freed slot
+    assert again is not None and again.block_ids == plan.block_ids  # the freed block id
     settle(offloader)
     offloader.load(["b"], [6])
     settle(offloader)
@@ -193,7 +193,7 @@ def test_reset_waits_for_jobs_in_flight() -> None:
     assert [f.plan for f in finished] == [plan] and finished[0].ok
     assert offloader.lookup("a") is Lookup.MISS and offloader.num_in_flight == 0
     offloader.engine.fault_hook = None
-    offloader.store(["a"], [5])  # the same slot, for new bytes
+    offloader.store(["a"], [5])  # the same block id, for new bytes
     settle(offloader)
     offloader.load(["a"], [6])
     settle(offloader)

@@ -114,8 +114,8 @@ def test_the_device_cache_is_the_same_lru(requests: list[Request], capacity: int
     fits = [request for request in requests if len(request) <= capacity]
     device = DevicePrefixCache(capacity)
     assert sum(device.admit(request) for request in fits) == plain_lru(fits, capacity)
-    slots = list(device.slots.values())
-    assert len(set(slots)) == len(slots) and all(0 <= slot < capacity for slot in slots)
+    blocks = list(device.slots.values())
+    assert len(set(blocks)) == len(blocks) and all(0 <= block < capacity for block in blocks)
 
 
 def test_a_request_longer_than_the_device_changes_nothing() -> None:

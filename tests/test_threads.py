@@ -111,7 +111,7 @@ class Recorder:
 
     def reset_cache(self) -> None:
         # The offloader waits for every job (but the abandoned ones) before it resets: one
-        # still running here would copy into a slot the manager is about to hand out again.
+        # still running here would copy into a block id the manager is about to hand out again.
         if self.offloader is not None and self.offloader._unabandoned():
             self.resets_with_jobs_in_flight += 1
         self._call("reset_cache")

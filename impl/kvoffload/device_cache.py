@@ -12,7 +12,7 @@ from kvoffload_spec.validation import check_count
 
 
 class DevicePrefixCache:
-    """The engine's device prefix cache: LRU over blocks, each in a device slot.
+    """The engine's device prefix cache: LRU over keys, each held in a device block.
 
     ``admit`` plays one request in the engine's call order and returns its hit prefix.
     Every block of the request must be on the device at once, so a request longer than the
@@ -21,7 +21,8 @@ class DevicePrefixCache:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = check_count("num_blocks", num_blocks)
-        self.slots: OrderedDict[Hashable, int] = OrderedDict()  # least recent first
+        # key -> its device block, least recent first
+        self.slots: OrderedDict[Hashable, int] = OrderedDict()
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
 
     def admit(self, request: Sequence[Hashable]) -> int:

@@ -3,9 +3,9 @@
 ``store`` and ``load`` ask the manager for a plan and submit its copy job; ``poll``
 completes in the manager the plans whose jobs finished (a failed store completes with
 ``success=False``, so its keys never become readable); ``reset`` waits for every job in
-flight before the manager forgets the pool, so no old copy can land in a reused slot. A job
+flight before the manager forgets the pool, so no old copy can land in a reused block. A job
 that seems never to finish can be ``abandon``-ed: the manager releases what its plan held
-without reusing a slot the job may still write (see docs/reliability.md).
+without reusing a block id the job may still write (see docs/reliability.md).
 
 Every method may be called from any thread: one lock serializes them, so an engine's
 scheduler thread and the thread that polls may share an offloader. See docs/integration.md.
@@ -278,7 +278,7 @@ class Offloader:
 
     def abandon(self, plan: Plan) -> None:
         """Give up waiting for the job of ``plan`` (it stalled): the manager releases what
-        the plan holds now, safely (see ``OffloadManager.abandon``: a store's slots stay
+        the plan holds now, safely (see ``OffloadManager.abandon``: a store's block ids stay
         quarantined until the job reports). ``poll`` reports the job when it ends, as
         ``Finished(..., abandoned=True)``; until then a load's device blocks may still be
         written: do not reuse them before. ``reset`` no longer waits for the job.
@@ -292,7 +292,7 @@ class Offloader:
 
     def reset(self, timeout: float | None = None) -> list[Finished]:
         """Wait for every job in flight but the abandoned ones, complete their plans, then
-        empty the pool (abandoned stores' slots stay quarantined until their jobs end).
+        empty the pool (abandoned stores' block ids stay quarantined until their jobs end).
 
         Returns the plans that finished meanwhile, so that no completion is lost. Raises
         ``TransferTimeoutError``, having changed nothing, if the jobs did not finish within

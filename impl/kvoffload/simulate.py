@@ -472,19 +472,19 @@ class _Engine:
         if cpu_hits:
             self._load(list(dict.fromkeys(cpu_ids[:cpu_hits])))
         self._recompute(list(dict.fromkeys(cpu_ids[cpu_hits:])))
-        plan = self.offloader.store(cpu_ids, self._slots(cpu_ids)) if cpu_ids else None
+        plan = self.offloader.store(cpu_ids, self._device_blocks(cpu_ids)) if cpu_ids else None
         self.offloader.touch(cpu_ids)
         if plan is not None:
             self.offloader.wait([plan])
             self._account(self.offloader.poll())
 
-    def _slots(self, keys: Sequence[BlockId]) -> list[int]:
+    def _device_blocks(self, keys: Sequence[BlockId]) -> list[int]:
         return [self.device_cache.slots[key] for key in keys]
 
     def _rows(self, keys: Sequence[BlockId]) -> torch.Tensor:
         import torch
 
-        return torch.tensor(self._slots(keys), dtype=torch.int64, device=self._device)
+        return torch.tensor(self._device_blocks(keys), dtype=torch.int64, device=self._device)
 
     def _recompute(self, keys: Sequence[BlockId]) -> None:
         if keys:
@@ -495,7 +495,7 @@ class _Engine:
 
         rows = self._rows(keys)
         self.kv[rows] = 0  # so a load that copies nothing cannot pass for a correct one
-        plan = self.offloader.load(keys, self._slots(keys))
+        plan = self.offloader.load(keys, self._device_blocks(keys))
         self.offloader.wait([plan])
         self._account(self.offloader.poll())
         loaded = self.kv[rows]

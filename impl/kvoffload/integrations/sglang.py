@@ -103,9 +103,9 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             hits = self._hit_prefix(names)
             plan = self.manager.prepare_load(names[:hits])
             try:
-                for i, slot in enumerate(plan.block_ids):
+                for i, block_id in enumerate(plan.block_ids):
                     index = int(host_indices[i * self._host.page_size])
-                    data = self._pool_page(slot).view(self._page_dtype)
+                    data = self._pool_page(block_id).view(self._page_dtype)
                     self._host.set_from_flat_data_page(index, data)
             finally:
                 self.manager.complete_load(plan)
@@ -190,9 +190,9 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         source: dict[object, torch.Tensor] = dict(zip(keys, pages, strict=True))
         ok = False
         try:
-            for key, slot in zip(plan.keys, plan.block_ids, strict=True):
+            for key, block_id in zip(plan.keys, plan.block_ids, strict=True):
                 flat = source[key].reshape(-1)
-                self._pool_page(slot).copy_(flat.view(torch.uint8))
+                self._pool_page(block_id).copy_(flat.view(torch.uint8))
             ok = True
         finally:
             self.manager.complete_store(plan, ok)
@@ -203,6 +203,6 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         data: torch.Tensor = self._host.get_data_page(index, flat=True)
         return data
 
-    def _pool_page(self, slot: int) -> torch.Tensor:
+    def _pool_page(self, block_id: int) -> torch.Tensor:
         assert self._pool is not None
-        return self._pool[slot]
+        return self._pool[block_id]

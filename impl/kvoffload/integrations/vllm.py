@@ -86,8 +86,8 @@ class KvoffloadManager(OffloadingManager):
     the same blocks at once; their plans complete oldest first). Recency, which vLLM 0.33's
     scheduler never reports through ``touch``, comes from the accesses of each request: its
     keys are touched in prefix order (the head ends most recent) after each of its prepare
-    calls and when it finishes. A reset abandons every open plan, so that no slot an old job
-    may still write is handed out before ``on_reset_flushed`` says those jobs are over.
+    calls and when it finishes. A reset abandons every open plan, so that no block id an old
+    job may still write is handed out before ``on_reset_flushed`` says those jobs are over.
     """
 
     def __init__(
@@ -213,9 +213,9 @@ class KvoffloadManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         # vLLM never completes the jobs in flight now; it calls on_reset_flushed once the
-        # workers have reported them all. Abandon their plans first: a store's slots stay
-        # quarantined (handed to no one) until then, so an old copy cannot land in a slot a
-        # new key was given.
+        # workers have reported them all. Abandon their plans first: a store's block ids stay
+        # quarantined (handed to no one) until then, so an old copy cannot land in a CPU
+        # block a new key was given.
         open_plans: list[Plan] = list(
             {plan.plan_id: plan for plan in self._store_plan_of.values()}.values()
         )
