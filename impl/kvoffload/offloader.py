@@ -24,6 +24,7 @@ from kvoffload.transfer.engine import (
     TransferTimeoutError,
     as_block_ids,
     require_distinct,
+    require_pairs,
 )
 from kvoffload.transfer.jobs import Direction, JobResult
 from kvoffload.transfer.runs import IdArray
@@ -180,11 +181,12 @@ class Offloader:
         plan = self.manager.prepare_store(keys)
         if plan is None:
             return None
-        position = {key: index for index, key in reversed(list(enumerate(keys)))}
-        rows = [position[key] for key in plan.keys]
         try:
+            position = {key: index for index, key in reversed(list(enumerate(keys)))}
+            rows = [position[key] for key in plan.keys]
             source = device.reshape(-1, self.block_size_factor)[rows].ravel()
-            job = self.engine._submit_trusted(Direction.STORE, source, self._pool_ids(plan))
+            cpu = self._pool_ids(plan, source)
+            job = self.engine._submit_trusted(Direction.STORE, source, cpu)
         except BaseException:
             self.manager.complete_store(plan, success=False)
             raise
@@ -206,7 +208,8 @@ class Offloader:
         require_distinct("device_block_ids", device)
         plan = self.manager.prepare_load(keys)
         try:
-            job = self.engine._submit_trusted(Direction.LOAD, device, self._pool_ids(plan))
+            cpu = self._pool_ids(plan, device)
+            job = self.engine._submit_trusted(Direction.LOAD, device, cpu)
         except BaseException:
             self.manager.complete_load(plan)
             raise
@@ -338,17 +341,15 @@ class Offloader:
             )
         return device
 
-    def _pool_ids(self, plan: Plan) -> IdArray:
-        """The CPU side of ``plan``, checked as ``submit_*`` would check it: a manager of the
-        caller's own may hand out block ids outside this pool, or one block twice for a
-        store. Device ids were checked before the manager planned; this is each id's only
-        check, the engine trusts both.
+    def _pool_ids(self, plan: Plan, device: IdArray) -> IdArray:
+        """The CPU side of ``plan``, checked as ``submit_*`` would check it against the
+        ``device`` ids it pairs with: a manager of the caller's own may hand out block ids
+        outside this pool, too few, or one block twice for a store. The device ids were
+        checked before the manager planned; this is each id's only check, the engine
+        trusts both.
         """
         cpu = as_block_ids("cpu_block_ids", plan.block_ids, self.engine.pool.num_blocks)
-        if len(cpu) != len(plan.keys):
-            raise InvalidArgumentError(
-                f"the manager planned {len(plan.keys)} keys into {len(cpu)} block ids: {plan!r}"
-            )
+        require_pairs(device, cpu, self.block_size_factor)
         if isinstance(plan, StorePlan):
             require_distinct("cpu_block_ids", cpu)
         return cpu
