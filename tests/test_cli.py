@@ -176,6 +176,13 @@ def test_every_entry_point_takes_its_defaults_from_the_one_place() -> None:
     parser = build_parser()
     for command in ("simulate", "verify"):
         assert parser.parse_args([command]).policy == defaults.DEFAULT_POLICY
+    simulate = parser.parse_args(["simulate"])
+    sizes = SimulationConfig()
+    assert (simulate.gpu_blocks, simulate.cpu_blocks, simulate.block_bytes) == (
+        sizes.gpu_blocks,
+        sizes.cpu_blocks,
+        sizes.block_bytes,
+    )
 
 
 # -- simulate --------------------------------------------------------------------------------

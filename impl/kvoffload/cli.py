@@ -1,10 +1,11 @@
 """The ``kvoffload`` command: ``simulate``, ``sweep`` and ``verify``.
 
 Startup stays quick: this module imports only the standard library, the parser reads the
-policy names and sweep defaults from their modules (no torch, no numpy), and each command
-imports what it needs (torch only for ``simulate``) when it runs. A mistake a user can make
-(a bad trace, an unknown policy, an impossible size) ends with one line on stderr and exit
-status 1; a malformed command line with argparse's usage message and status 2.
+policy names and the sweep's and simulate's defaults from their modules (no torch, no
+numpy), and each command imports what it needs (torch only for ``simulate``) when it runs.
+A mistake a user can make (a bad trace, an unknown policy, an impossible size) ends with
+one line on stderr and exit status 1; a malformed command line with argparse's usage
+message and status 2.
 """
 
 from __future__ import annotations
@@ -94,8 +95,11 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # the policy registry is a few small modules (no torch, no numpy): read names from it
     from kvoffload.policies.loading import BUILTIN_POLICIES
+    from kvoffload.simulate import SimulationConfig
     from kvoffload.sweep import DEFAULT_CAPACITIES, SWEEP_POLICIES
     from kvoffload_spec.defaults import DEFAULT_POLICY
+
+    sizes = SimulationConfig()  # simulate's defaults are the config's
 
     builtin = "|".join(BUILTIN_POLICIES)
     parser = argparse.ArgumentParser(
@@ -117,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--gpu-blocks",
         type=_count("blocks"),
-        default=1024,
+        default=sizes.gpu_blocks,
         metavar="N",
         help="device prefix cache size in blocks; must hold the longest request "
         f"(default: %(default)s; {_DECIMAL_SUFFIXES})",
@@ -125,13 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--cpu-blocks",
         type=_count("blocks"),
-        default=4096,
+        default=sizes.cpu_blocks,
         metavar="N",
         help=f"CPU pool size in blocks (default: %(default)s; {_DECIMAL_SUFFIXES})",
     )
     simulate.add_argument(
         "--policy",
-        default=DEFAULT_POLICY,
+        default=sizes.policy,
         metavar=f"{builtin}|module:Class",
         help="the CPU pool's eviction policy: a built-in one, or your own EvictionPolicy "
         "subclass, imported from the current directory or PYTHONPATH (default: %(default)s)",
@@ -139,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--block-bytes",
         type=_byte_size,
-        default=4096,
+        default=sizes.block_bytes,
         metavar="BYTES",
         help="bytes per KV block, e.g. 4096, 64KiB, 2MiB; binary units: 1 KiB = 1,024 "
         "bytes (default: %(default)s)",
