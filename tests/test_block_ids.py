@@ -1,19 +1,22 @@
 """Every layer that validates block ids, at its exact boundaries, with planted bugs it must see.
 
 The transfer engine (``submit_store`` / ``submit_load``), the offloader in front of it
-(``store`` / ``load``) and the memmove copier's last-resort bounds check each decide which
-ids may be written. A bound off by one lets a job write past the pool; a distinctness check
-that compares only neighbours lets ``[1, 2, 1]`` write one block twice. So the checker
-below tries, at each layer, on the CPU side and the device side, and for short calls and
-long ones (ids are checked by plain Python up to ``SMALL`` of them, by numpy beyond): the
-last block (accepted, and the bytes arrive), one past it and -1 (refused, nothing queued),
-and repeats that are not adjacent (refused). Each planted bug must make it report a problem.
+(``store`` / ``load``: the device ids it is given and the block ids its manager plans, each
+checked once, before the engine's trusted entry) and the memmove copier's last-resort bounds
+check each decide which ids may be written. A bound off by one lets a job write past the
+pool; a distinctness check that compares only neighbours lets ``[1, 2, 1]`` write one block
+twice. So the checker below tries, at each layer, on the CPU side and the device side, and
+for short calls and long ones (ids are checked by plain Python up to ``SMALL`` of them, by
+numpy beyond): the last block (accepted, and the bytes arrive), one past it and -1 (refused,
+nothing queued), and repeats that are not adjacent (refused). Each planted bug must make it
+report a problem.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +33,7 @@ from kvoffload.transfer.copiers import MemmoveCopier
 from kvoffload.transfer.engine import SMALL, CopierName, as_block_ids, require_distinct
 from kvoffload.transfer.runs import IdArray
 from kvoffload_spec.errors import InvalidArgumentError
-from kvoffload_spec.surface import Lookup
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
 
 DEVICE_BLOCKS = SMALL + 16
 CPU_BLOCKS = SMALL + 8
@@ -161,15 +164,89 @@ def engine_problems(copier: CopierName) -> list[str]:
     return check.problems
 
 
+class Misplanning:
+    """A manager of the caller's own that, while ``block_ids`` is set, hands out plans with
+    those block ids instead of its own (a buggy manager). Completions of such a plan go to
+    the real plan behind it, so a refused plan still completes in the manager.
+    """
+
+    def __init__(self, inner: OffloadManager) -> None:
+        self.inner = inner
+        self.block_ids: list[int] | None = None
+        self._real: dict[int, Plan] = {}  # plan id -> the plan the manager really made
+
+    @property
+    def num_blocks(self) -> int:
+        return self.inner.num_blocks
+
+    def _doctored(self, plan: Plan) -> Plan:
+        if self.block_ids is None:
+            return plan
+        self._real[plan.plan_id] = plan
+        return dataclasses.replace(plan, block_ids=tuple(self.block_ids))
+
+    def lookup(self, key: Key) -> Lookup:
+        return self.inner.lookup(key)
+
+    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
+        plan = self.inner.prepare_store(keys)
+        if plan is None:
+            return None
+        doctored = self._doctored(plan)
+        assert isinstance(doctored, StorePlan)
+        return doctored
+
+    def complete_store(self, plan: StorePlan, success: bool = True) -> None:
+        real = self._real.pop(plan.plan_id, plan)
+        assert isinstance(real, StorePlan)
+        self.inner.complete_store(real, success)
+
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
+        doctored = self._doctored(self.inner.prepare_load(keys))
+        assert isinstance(doctored, LoadPlan)
+        return doctored
+
+    def complete_load(self, plan: LoadPlan) -> None:
+        real = self._real.pop(plan.plan_id, plan)
+        assert isinstance(real, LoadPlan)
+        self.inner.complete_load(real)
+
+    def abandon(self, plan: Plan) -> None:
+        self.inner.abandon(self._real.get(plan.plan_id, plan))
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        self.inner.touch(keys)
+
+    def reset_cache(self) -> None:
+        self.inner.reset_cache()
+
+
 def offloader_problems() -> list[str]:
-    """The offloader's own checks of device ids (CPU ids come from its manager)."""
+    """The offloader's own checks: of the device ids it is given, and of the block ids its
+    manager plans (a manager of the caller's own may plan ids outside the pool)."""
     tensors = device_cache()
-    manager = OffloadManager(CPU_BLOCKS)
+    manager = Misplanning(OffloadManager(CPU_BLOCKS))
     offloader = Offloader(tensors, block_dim=1, manager=manager)
     check = Checker()
 
     def unchanged() -> tuple[object, ...]:
-        return offloader.num_in_flight, manager.num_free_blocks, manager.num_evictable_blocks
+        inner = manager.inner
+        return (
+            offloader.num_in_flight,
+            offloader.engine._issued,
+            inner.num_free_blocks,
+            inner.num_evictable_blocks,
+        )
+
+    def misplanned(call: Callable[..., object], ids: list[int]) -> Callable[..., object]:
+        def planning_ids(*args: object) -> object:
+            manager.block_ids = ids
+            try:
+                return call(*args)
+            finally:
+                manager.block_ids = None
+
+        return planning_ids
 
     for length in LENGTHS:
         keys = [f"{length}-{index}" for index in range(length)]
@@ -178,6 +255,15 @@ def offloader_problems() -> list[str]:
         for why, ids in refused_ids(DEVICE_BLOCKS - 1, length):
             check.refused(
                 f"{at}: store from device ids with {why}", unchanged, offloader.store, keys, ids
+            )
+        for why, ids in [
+            *refused_ids(CPU_BLOCKS - 1, length),
+            *repeated_ids(CPU_BLOCKS - 1, length),
+            ("one id too few", list(range(length - 1))),
+        ]:
+            store = misplanned(offloader.store, ids)
+            check.refused(
+                f"{at}: store into planned CPU ids with {why}", unchanged, store, keys, top
             )
         check.accepted(f"{at}: a store from the last device blocks", offloader.store, keys, top)
         offloader.wait()
@@ -192,6 +278,9 @@ def offloader_problems() -> list[str]:
             check.refused(
                 f"{at}: load into device ids with {why}", unchanged, offloader.load, keys, ids
             )
+        for why, ids in refused_ids(CPU_BLOCKS - 1, length):
+            load = misplanned(offloader.load, ids)
+            check.refused(f"{at}: load from planned CPU ids with {why}", unchanged, load, keys, top)
         expected = [device_block(tensors, block) for block in top]
         for tensor in tensors:
             tensor.zero_()
@@ -214,6 +303,47 @@ def test_every_layer_takes_its_last_block_and_refuses_one_past_it_and_repeats() 
     assert block_id_problems() == []
 
 
+def test_the_offloader_checks_each_id_once_and_the_engine_trusts_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store and a load through the offloader check the device ids and the planned block
+    ids once each, at the offloader; the engine's own checks (for its direct callers) are
+    not run again."""
+    checked: list[str] = []
+
+    def counted(module: Any, name: str) -> None:
+        real = getattr(module, name)
+
+        def counting(what: str, *args: Any) -> Any:
+            checked.append(f"{module.__name__.rsplit('.', 1)[-1]}.{name}({what})")
+            return real(what, *args)
+
+        monkeypatch.setattr(module, name, counting)
+
+    for module in (engine_module, offloader_module):
+        for name in ("as_block_ids", "require_distinct"):
+            counted(module, name)
+    offloader = Offloader(device_cache(), block_dim=1, num_cpu_blocks=CPU_BLOCKS)
+    assert offloader.store(["a", "b"], [0, 1]) is not None
+    offloader.wait()
+    assert all(done.ok for done in offloader.poll())
+    assert checked == [
+        "offloader.as_block_ids(device_block_ids)",
+        "offloader.as_block_ids(cpu_block_ids)",
+        "offloader.require_distinct(cpu_block_ids)",
+    ]
+    checked.clear()
+    offloader.load(["a", "b"], [2, 3])
+    offloader.wait()
+    assert checked == [
+        "offloader.as_block_ids(device_block_ids)",
+        "offloader.require_distinct(device_block_ids)",
+        "offloader.as_block_ids(cpu_block_ids)",
+    ]
+    assert all(done.ok for done in offloader.poll())
+    offloader.close()
+
+
 # -- planted bugs: each must make the checker above report a problem --------------------------
 
 
@@ -228,6 +358,11 @@ def bound_off_by_one_when_vectorized(name: str, ids: object, limit: int) -> IdAr
     if len(array) <= SMALL:
         return as_block_ids(name, ids, limit)
     return array
+
+
+def planned_bound_off_by_one(name: str, ids: object, limit: int) -> IdArray:
+    """The slip on CPU ids only: the block ids a manager planned, not the device ids."""
+    return as_block_ids(name, ids, limit + (name == "cpu_block_ids"))
 
 
 def distinct_neighbours_only(name: str, ids: IdArray) -> None:
@@ -292,6 +427,36 @@ PLANTED_ID_BUGS = (
         tuple((module, "require_distinct") for module in BOTH),
         distinct_neighbours_only_when_short,
         "3 ids): store into CPU ids with an id again two places later: accepted",
+    ),
+    PlantedIdBug(
+        "the offloader's bound off by one",
+        ((offloader_module, "as_block_ids"),),
+        bound_off_by_one,
+        "(3 keys): store from device ids with one past the last block: accepted",
+    ),
+    PlantedIdBug(
+        "the offloader's bound off by one on the numpy path",
+        ((offloader_module, "as_block_ids"),),
+        bound_off_by_one_when_vectorized,
+        f"({SMALL + 4} keys): store from device ids with one past the last block: accepted",
+    ),
+    PlantedIdBug(
+        "the offloader's bound off by one for planned ids only",
+        ((offloader_module, "as_block_ids"),),
+        planned_bound_off_by_one,
+        "(3 keys): store into planned CPU ids with one past the last block: accepted",
+    ),
+    PlantedIdBug(
+        "the offloader's distinctness of neighbours only",
+        ((offloader_module, "require_distinct"),),
+        distinct_neighbours_only,
+        "(3 keys): load into device ids with the first id again at the end: accepted",
+    ),
+    PlantedIdBug(
+        "the offloader's distinctness of neighbours only on the short path, for planned ids",
+        ((offloader_module, "require_distinct"),),
+        distinct_neighbours_only_when_short,
+        "(3 keys): store into planned CPU ids with the first id again at the end: accepted",
     ),
     PlantedIdBug(
         "memmove bounds backstop off by one",

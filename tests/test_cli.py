@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvoffload.cli import main
-from kvoffload.policies import BUILTIN_POLICIES
+from kvoffload.policies import BUILTIN_POLICIES, resolve_policy
 from kvoffload.policies.lru import LruPolicy
 from kvoffload.sweep import SWEEP_POLICIES, cpu_stream, new_manager, replay
 from kvoffload.traces import load_trace
@@ -144,6 +144,47 @@ def test_sweep_plot_needs_matplotlib_or_draws_the_curves(
         assert target.read_bytes().startswith(b"\x89PNG")
 
 
+def test_the_policy_registry_names_the_specs_policies() -> None:
+    """One table of built-in policies (the impl's); the spec, stdlib-only, cannot read it and
+    names the same ones, in the same order."""
+    from kvoffload_spec.policies import POLICY_NAMES
+
+    assert tuple(BUILTIN_POLICIES) == POLICY_NAMES
+    assert (*POLICY_NAMES, "belady") == SWEEP_POLICIES
+    for name, policy_class in BUILTIN_POLICIES.items():
+        assert resolve_policy(name) is policy_class
+
+
+def test_every_entry_point_takes_its_defaults_from_the_one_place() -> None:
+    import inspect
+
+    from kvoffload import Offloader, OffloadManager
+    from kvoffload.cli import build_parser
+    from kvoffload.simulate import SimulationConfig
+    from kvoffload_spec import defaults
+
+    def default_of(function: object, name: str) -> object:
+        return inspect.signature(function).parameters[name].default  # type: ignore[arg-type]
+
+    assert default_of(Offloader, "policy") == defaults.DEFAULT_POLICY
+    assert default_of(Offloader, "stall_after") == defaults.DEFAULT_STALL_AFTER
+    assert default_of(OffloadManager, "policy") == defaults.DEFAULT_POLICY
+    assert default_of(OffloadManager, "store_threshold") == defaults.DEFAULT_STORE_THRESHOLD
+    assert default_of(OffloadManager, "max_tracker_size") == defaults.DEFAULT_MAX_TRACKER_SIZE
+    assert default_of(OffloadManager, "stall_after") == defaults.DEFAULT_STALL_AFTER
+    assert SimulationConfig().policy == defaults.DEFAULT_POLICY
+    parser = build_parser()
+    for command in ("simulate", "verify"):
+        assert parser.parse_args([command]).policy == defaults.DEFAULT_POLICY
+    simulate = parser.parse_args(["simulate"])
+    sizes = SimulationConfig()
+    assert (simulate.gpu_blocks, simulate.cpu_blocks, simulate.block_bytes) == (
+        sizes.gpu_blocks,
+        sizes.cpu_blocks,
+        sizes.block_bytes,
+    )
+
+
 # -- simulate --------------------------------------------------------------------------------
 
 
@@ -175,13 +216,19 @@ def test_simulate_notices_a_load_that_brings_back_the_wrong_bytes(
     small_trace: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvoffload.transfer.engine import TransferEngine
+    from kvoffload.transfer.jobs import Direction
+    from kvoffload.transfer.runs import IdArray
 
-    real_submit_load = TransferEngine.submit_load
+    real_submit = TransferEngine._submit_trusted  # the offloader's entry: ids checked already
 
-    def always_block_zero(engine: TransferEngine, cpu: object, device: object) -> int:
-        return real_submit_load(engine, np.zeros(len(cpu), dtype=np.int64), device)  # type: ignore[arg-type]
+    def loads_from_block_zero(
+        engine: TransferEngine, direction: Direction, device: IdArray, cpu: IdArray
+    ) -> int:
+        if direction is Direction.LOAD:
+            cpu = np.zeros(len(cpu), dtype=np.int64)
+        return real_submit(engine, direction, device, cpu)
 
-    monkeypatch.setattr(TransferEngine, "submit_load", always_block_zero)
+    monkeypatch.setattr(TransferEngine, "_submit_trusted", loads_from_block_zero)
     argv = ["simulate", "--trace", small_trace, "--gpu-blocks", "10", "--cpu-blocks", "20"]
     code, out, err = run([*argv, "--json"], capsys)
     assert code == 1
@@ -299,6 +346,21 @@ def test_a_malformed_trace_names_the_line(
     path.write_text('{"hash_ids": [1, 2]}\n{"hash_ids": [1, 2\n')
     code, _, err = run(["sweep", "--trace", str(path)], capsys)
     assert code == 1 and "broken.jsonl:2: not valid JSON" in err
+
+
+@pytest.mark.parametrize("budget", ["0", "-1", "inf", "nan", "soon"])
+def test_a_budget_is_checked_as_every_duration_is(
+    budget: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI's seconds are the library's: a finite number > 0 (check_seconds)."""
+    code, out, err = run(["verify", "--budget", budget], capsys)
+    assert (code, out) == (2, "")
+    expected = (
+        f"{budget!r} is not a number of seconds"
+        if budget == "soon"
+        else f"the value must be a finite number of seconds > 0, got {float(budget)!r}"
+    )
+    assert f"argument --budget: {expected}" in err
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,11 @@ import torch
 
 from kvoffload import Finished, Offloader
 from kvoffload.manager import OffloadManager
+from kvoffload.policies import LruPolicy
 from kvoffload.transfer import EngineClosedError
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, InvalidArgumentError
-from kvoffload_spec.surface import Lookup
+from kvoffload_spec.surface import Lookup, ManagerOperations, ManagerSurface
 from tests.test_layout import DEVICES, make_cache, reference_block
 
 
@@ -117,7 +118,7 @@ def test_an_empty_plan_still_completes() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_failed_store_is_never_readable_and_its_slot_is_reused(device: str) -> None:
+def test_a_failed_store_is_never_readable_and_its_block_id_is_reused(device: str) -> None:
     offloader, tensors, dim = build(device=device, cpu_blocks=2)
     offloader.engine.fault_hook = FailJob(0, run=1)  # after the K run, before the V run
     plan = offloader.store(["a"], [0])
@@ -128,7 +129,7 @@ def test_a_failed_store_is_never_readable_and_its_slot_is_reused(device: str) ->
     with pytest.raises(BlockNotFoundError):
         offloader.load(["a"], [5])
     again = offloader.store(["b"], [3])
-    assert again is not None and again.block_ids == plan.block_ids  # the freed slot
+    assert again is not None and again.block_ids == plan.block_ids  # the freed block id
     settle(offloader)
     offloader.load(["b"], [6])
     settle(offloader)
@@ -192,7 +193,7 @@ def test_reset_waits_for_jobs_in_flight() -> None:
     assert [f.plan for f in finished] == [plan] and finished[0].ok
     assert offloader.lookup("a") is Lookup.MISS and offloader.num_in_flight == 0
     offloader.engine.fault_hook = None
-    offloader.store(["a"], [5])  # the same slot, for new bytes
+    offloader.store(["a"], [5])  # the same block id, for new bytes
     settle(offloader)
     offloader.load(["a"], [6])
     settle(offloader)
@@ -207,6 +208,74 @@ def test_a_given_manager_sizes_the_pool() -> None:
     assert offloader.engine.pool.num_blocks == 3 and offloader.manager is model
     with pytest.raises(InvalidArgumentError, match="manages 3 blocks but the pool has 2"):
         Offloader(tensors, manager=model, num_cpu_blocks=2)
+
+
+def test_stalled_reads_the_managers_plan_ages_and_keeps_none_of_its_own() -> None:
+    now = [0.0]
+    manager = OffloadManager(4, clock=lambda: now[0])
+    tensors, dim = make_cache("kv_split", num_blocks=8)
+    offloader = Offloader(tensors, block_dim=dim, manager=manager, stall_after=10.0)
+    plan = offloader.store(["a"], [0])  # finished, but not polled: still in flight here
+    assert plan is not None and offloader.stalled() == []
+    now[0] = 10.0
+    direct = manager.prepare_store(["z"])  # the manager's own plan: no job of this offloader
+    now[0] = 30.0
+    assert manager.stalled_plans(10.0) == [plan, direct]
+    assert offloader.stalled() == [plan] and offloader.stalled(older_than=25.0) == [plan]
+    assert offloader.stalled(older_than=30.5) == []
+    assert offloader._submitted_at == {}  # no second ledger
+    manager.abandon(plan)  # abandoned on the manager itself: no longer a candidate here
+    assert offloader.stalled() == []
+    offloader.close()
+
+
+def test_with_a_manager_that_keeps_no_ages_the_offloader_keeps_them() -> None:
+    tensors, dim = make_cache("kv_split", num_blocks=8)
+    offloader = Offloader(tensors, block_dim=dim, manager=OffloadModel(4))
+    plan = offloader.store(["a"], [0])
+    other = offloader.store(["b"], [1])
+    assert plan is not None and other is not None
+    assert offloader.stalled() == []  # younger than stall_after
+    assert offloader.stalled(older_than=1e-9) == [plan, other]
+    offloader.abandon(plan)
+    assert offloader.stalled(older_than=1e-9) == [other]
+    finished = settle(offloader)
+    assert [(done.plan, done.abandoned) for done in finished] == [
+        (plan, True),
+        (other, False),
+    ]
+    assert offloader.stalled(older_than=1e-9) == [] and offloader._submitted_at == {}
+    offloader.close()
+
+
+class ExplodingPolicy(LruPolicy):
+    def __init__(self, capacity: int) -> None:
+        raise RuntimeError("this policy cannot be built")
+
+
+def test_a_manager_that_cannot_be_built_leaves_no_engine_behind() -> None:
+    tensors, dim = make_cache("kv_split", num_blocks=8)
+    threads = threading.active_count()
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        Offloader(tensors, block_dim=dim, num_cpu_blocks=4, policy=ExplodingPolicy, threaded=True)
+    assert threading.active_count() == threads  # the engine's workers were stopped
+    with pytest.raises(InvalidArgumentError, match="manages 3 blocks but the pool has 4"):
+        Offloader(tensors, block_dim=dim, num_cpu_blocks=4, manager=OffloadModel(3), threaded=True)
+    assert threading.active_count() == threads
+
+
+def test_the_managers_offer_the_one_protocol_the_offloader_drives() -> None:
+    from kvoffload.simulate import TimedManager
+
+    manager = OffloadManager(2)
+    for whole in (manager, OffloadModel(2)):
+        assert isinstance(whole, ManagerSurface) and isinstance(whole, ManagerOperations)
+    timed = TimedManager(manager)  # a wrapper: the operations only, which is enough
+    assert isinstance(timed, ManagerOperations) and not isinstance(timed, ManagerSurface)
+    tensors, dim = make_cache("kv_split", num_blocks=8)
+    assert Offloader(tensors, block_dim=dim, manager=timed).manager is timed
+    with pytest.raises(InvalidArgumentError, match="manager must be an OffloadManager"):
+        Offloader(tensors, block_dim=dim, num_cpu_blocks=2, manager=object())  # type: ignore[arg-type]
 
 
 def test_a_byte_budget_sizes_pool_and_manager() -> None:

@@ -12,10 +12,9 @@ from hypothesis import strategies as st
 
 import kvoffload.sweep
 from kvoffload.belady import belady_hits
+from kvoffload.device_cache import DevicePrefixCache
 from kvoffload.policies import LruPolicy
 from kvoffload.sweep import (
-    CacheTier,
-    DevicePrefixCache,
     PolicyName,
     SweepPoint,
     cpu_stream,
@@ -26,7 +25,7 @@ from kvoffload.sweep import (
 from kvoffload.traces import Request, Trace, bundled_trace
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
-from kvoffload_spec.surface import Key
+from kvoffload_spec.surface import Key, ManagerOperations
 
 
 def test_module_examples() -> None:
@@ -88,7 +87,7 @@ def plain_lru(requests: Sequence[Request], capacity: int) -> int:
     return hits
 
 
-def model_tier(policy: PolicyName, capacity: int) -> CacheTier:
+def model_tier(policy: PolicyName, capacity: int) -> ManagerOperations:
     assert isinstance(policy, str), "the spec knows the built-in policies by name only"
     return OffloadModel(capacity, policy)
 
@@ -115,8 +114,8 @@ def test_the_device_cache_is_the_same_lru(requests: list[Request], capacity: int
     fits = [request for request in requests if len(request) <= capacity]
     device = DevicePrefixCache(capacity)
     assert sum(device.admit(request) for request in fits) == plain_lru(fits, capacity)
-    slots = list(device.slots.values())
-    assert len(set(slots)) == len(slots) and all(0 <= slot < capacity for slot in slots)
+    blocks = list(device.slots.values())
+    assert len(set(blocks)) == len(blocks) and all(0 <= block < capacity for block in blocks)
 
 
 def test_a_request_longer_than_the_device_changes_nothing() -> None:

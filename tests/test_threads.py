@@ -43,7 +43,7 @@ from kvoffload.transfer.cpu import CpuBackend
 from kvoffload.transfer.jobs import Job
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotReadyError, OffloadError
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
 
 WORKERS = 3
 BLOCKS_EACH = 4  # device blocks a worker owns
@@ -103,7 +103,7 @@ class Recorder:
     def complete_load(self, plan: LoadPlan) -> None:
         self._call("complete_load", plan)
 
-    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+    def abandon(self, plan: Plan) -> None:
         self._call("abandon", plan)
 
     def touch(self, keys: Sequence[Key]) -> None:
@@ -111,7 +111,7 @@ class Recorder:
 
     def reset_cache(self) -> None:
         # The offloader waits for every job (but the abandoned ones) before it resets: one
-        # still running here would copy into a slot the manager is about to hand out again.
+        # still running here would copy into a block id the manager is about to hand out again.
         if self.offloader is not None and self.offloader._unabandoned():
             self.resets_with_jobs_in_flight += 1
         self._call("reset_cache")
@@ -204,7 +204,7 @@ class Hammering:
                 self.finished[each.plan.plan_id] = each
             self.done.notify_all()
 
-    def outcome(self, plan: StorePlan | LoadPlan) -> Finished:
+    def outcome(self, plan: Plan) -> Finished:
         with self.done:
             self.submitted.append(plan.plan_id)
             if not self.done.wait_for(lambda: plan.plan_id in self.finished, self.hold):
@@ -385,17 +385,15 @@ def fast_switching() -> Iterator[None]:
 def replay_on_the_spec(state: Hammering, policy: str) -> list[str]:
     """Replay the recorded manager calls on the spec: each answer must be the same."""
     model = OffloadModel(state.recorder.num_blocks, policy)
-    plans: dict[int, StorePlan | LoadPlan] = {}  # plan id -> the spec's plan
+    plans: dict[int, Plan] = {}  # plan id -> the spec's plan
     mismatches = []
     for name, args, outcome in state.recorder.log:
-        spec_args = [
-            plans[arg.plan_id] if isinstance(arg, (StorePlan, LoadPlan)) else arg for arg in args
-        ]
+        spec_args = [plans[arg.plan_id] if isinstance(arg, Plan) else arg for arg in args]
         try:
             expected: object = getattr(model, name)(*spec_args)
         except OffloadError as error:
             expected = error
-        if isinstance(expected, (StorePlan, LoadPlan)):
+        if isinstance(expected, Plan):
             plans[expected.plan_id] = expected
         same = (
             type(outcome) is type(expected)

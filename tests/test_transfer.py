@@ -621,7 +621,7 @@ def test_the_staging_path_moves_exactly_the_runs_bytes(kind: str) -> None:
         )
         finish(engine, engine.submit_store([7, 2, 3, 4, 11, 0], [4, 0, 2]))
         finish(engine, engine.submit_load([2, 4], [1, 9, 5, 6]))
-        stored = engine.pool.tensor[[0, 2, 4]].clone()  # the other slots were never written
+        stored = engine.pool.tensor[[0, 2, 4]].clone()  # the other CPU blocks were never written
         results.append((stored, blocks_of(tensors, block_dim)))
         engine.close()
     (pool_tensor, blocks_tensor), (pool_gather, blocks_gather) = results

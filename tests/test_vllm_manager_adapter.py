@@ -30,6 +30,17 @@ from kvoffload.integrations.vllm import KvoffloadManager
 from kvoffload.policies import BUILTIN_POLICIES
 
 
+def test_the_adapter_takes_its_defaults_from_the_one_place() -> None:
+    import inspect
+
+    from kvoffload_spec import defaults
+
+    parameters = inspect.signature(KvoffloadManager).parameters
+    assert parameters["eviction_policy"].default == defaults.DEFAULT_POLICY
+    assert parameters["store_threshold"].default == defaults.DEFAULT_STORE_THRESHOLD
+    assert parameters["max_tracker_size"].default == defaults.DEFAULT_MAX_TRACKER_SIZE
+
+
 def key(name: str) -> OffloadKey:
     return make_offload_key(name.encode(), 0)
 
@@ -207,7 +218,7 @@ def test_lookup_states_and_a_failed_store() -> None:
     manager.complete_store([a], ctx)  # half a job is not a job: nothing is readable yet
     assert manager.lookup(a, ctx) is LookupResult.HIT_PENDING
     manager.complete_store([b], ctx, success=False)
-    # The job failed as a whole: neither key became readable, both slots are free again.
+    # The job failed as a whole: neither key became readable, both block ids are free again.
     assert manager.lookup(a, ctx) is LookupResult.MISS
     assert manager.lookup(b, ctx) is LookupResult.MISS
     assert manager.manager.stats().free == 4
@@ -254,23 +265,23 @@ def test_two_loads_of_the_same_blocks_complete_one_each() -> None:
     assert manager.manager.stats().pinned == 0
 
 
-def test_reset_keeps_old_jobs_slots_out_of_use_until_flushed() -> None:
+def test_reset_keeps_old_jobs_block_ids_out_of_use_until_flushed() -> None:
     manager = KvoffloadManager(2, "lru")
     ctx = ReqContext("r")
     a = key("a")
     old = manager.prepare_store([a], ctx)
     assert old is not None
-    old_slots = set(old.store_spec.block_ids.tolist())
+    old_block_ids = set(old.store_spec.block_ids.tolist())
     manager.reset_cache()
-    # vLLM never completes the old job; its copy may still land in its slot.
+    # vLLM never completes the old job; its copy may still land in its CPU block.
     new = manager.prepare_store([a, key("b")], ctx)
-    assert new is None  # one of two slots is quarantined: no room for two
+    assert new is None  # one of two block ids is quarantined: no room for two
     new = manager.prepare_store([a], ctx)
     assert new is not None
-    assert old_slots.isdisjoint(new.store_spec.block_ids.tolist())
+    assert old_block_ids.isdisjoint(new.store_spec.block_ids.tolist())
     manager.complete_store([a], ctx)
     assert manager.lookup(a, ctx) is LookupResult.HIT
-    manager.on_reset_flushed()  # every old job reported: its slot is free again
+    manager.on_reset_flushed()  # every old job reported: its block id is free again
     assert manager.manager.stats().free == 1
     manager.manager.check_invariants()
 

@@ -1,10 +1,11 @@
 """The ``kvoffload`` command: ``simulate``, ``sweep`` and ``verify``.
 
 Startup stays quick: this module imports only the standard library, the parser reads the
-policy names and sweep defaults from their modules (no torch, no numpy), and each command
-imports what it needs (torch only for ``simulate``) when it runs. A mistake a user can make
-(a bad trace, an unknown policy, an impossible size) ends with one line on stderr and exit
-status 1; a malformed command line with argparse's usage message and status 2.
+policy names and the sweep's and simulate's defaults from their modules (no torch, no
+numpy), and each command imports what it needs (torch only for ``simulate``) when it runs.
+A mistake a user can make (a bad trace, an unknown policy, an impossible size) ends with
+one line on stderr and exit status 1; a malformed command line with argparse's usage
+message and status 2.
 """
 
 from __future__ import annotations
@@ -94,7 +95,11 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # the policy registry is a few small modules (no torch, no numpy): read names from it
     from kvoffload.policies.loading import BUILTIN_POLICIES
-    from kvoffload.sweep import BELADY, DEFAULT_CAPACITIES, SWEEP_POLICIES
+    from kvoffload.simulate import SimulationConfig
+    from kvoffload.sweep import DEFAULT_CAPACITIES, SWEEP_POLICIES
+    from kvoffload_spec.defaults import DEFAULT_POLICY
+
+    sizes = SimulationConfig()  # simulate's defaults are the config's
 
     builtin = "|".join(BUILTIN_POLICIES)
     parser = argparse.ArgumentParser(
@@ -116,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--gpu-blocks",
         type=_count("blocks"),
-        default=1024,
+        default=sizes.gpu_blocks,
         metavar="N",
         help="device prefix cache size in blocks; must hold the longest request "
         f"(default: %(default)s; {_DECIMAL_SUFFIXES})",
@@ -124,13 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--cpu-blocks",
         type=_count("blocks"),
-        default=4096,
+        default=sizes.cpu_blocks,
         metavar="N",
         help=f"CPU pool size in blocks (default: %(default)s; {_DECIMAL_SUFFIXES})",
     )
     simulate.add_argument(
         "--policy",
-        default="lru",
+        default=sizes.policy,
         metavar=f"{builtin}|module:Class",
         help="the CPU pool's eviction policy: a built-in one, or your own EvictionPolicy "
         "subclass, imported from the current directory or PYTHONPATH (default: %(default)s)",
@@ -138,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--block-bytes",
         type=_byte_size,
-        default=4096,
+        default=sizes.block_bytes,
         metavar="BYTES",
         help="bytes per KV block, e.g. 4096, 64KiB, 2MiB; binary units: 1 KiB = 1,024 "
         "bytes (default: %(default)s)",
@@ -181,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_name_list,
         default=",".join(SWEEP_POLICIES),
         metavar="P,P,...",
-        help=f"any of {', '.join([*BUILTIN_POLICIES, BELADY])}, or your own as module:Class "
+        help=f"any of {', '.join(SWEEP_POLICIES)}, or your own as module:Class "
         "(its column is the class name) (default: %(default)s)",
     )
     sweep.add_argument(
@@ -202,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument(
         "--policy",
-        default="lru",
+        default=DEFAULT_POLICY,
         metavar=f"{builtin}|module:Class",
         help="the policy to check: a built-in one, or your own EvictionPolicy subclass, "
         "imported from the current directory or PYTHONPATH (default: %(default)s)",
@@ -303,13 +308,17 @@ def _name_list(text: str) -> list[str]:
 
 
 def _seconds(text: str) -> float:
+    from kvoffload_spec.errors import InvalidArgumentError
+    from kvoffload_spec.validation import check_seconds
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be more than 0 seconds")
-    return value
+    try:
+        return check_seconds("the value", value)
+    except InvalidArgumentError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 # -- the commands ---------------------------------------------------------------------------

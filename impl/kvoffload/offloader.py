@@ -3,9 +3,9 @@
 ``store`` and ``load`` ask the manager for a plan and submit its copy job; ``poll``
 completes in the manager the plans whose jobs finished (a failed store completes with
 ``success=False``, so its keys never become readable); ``reset`` waits for every job in
-flight before the manager forgets the pool, so no old copy can land in a reused slot. A job
+flight before the manager forgets the pool, so no old copy can land in a reused block. A job
 that seems never to finish can be ``abandon``-ed: the manager releases what its plan held
-without reusing a slot the job may still write (see docs/reliability.md).
+without reusing a block id the job may still write (see docs/reliability.md).
 
 Every method may be called from any thread: one lock serializes them, so an engine's
 scheduler thread and the thread that polls may share an offloader. See docs/integration.md.
@@ -24,35 +24,28 @@ from kvoffload.transfer.engine import (
     TransferTimeoutError,
     as_block_ids,
     require_distinct,
+    require_pairs,
 )
-from kvoffload.transfer.jobs import JobResult
-from kvoffload.transfer.layout import KVLayout
-from kvoffload.transfer.pool import CpuBlockPool, pool_size, require_memory
+from kvoffload.transfer.jobs import Direction, JobResult
 from kvoffload.transfer.runs import IdArray
+from kvoffload_spec.defaults import DEFAULT_POLICY, DEFAULT_STALL_AFTER
 from kvoffload_spec.errors import InvalidArgumentError, PlanAlreadyAbandonedError
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
-from kvoffload_spec.validation import check_count, check_keys, check_seconds
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, ManagerOperations, Plan, StorePlan
+from kvoffload_spec.validation import check_keys, check_seconds
 
 if TYPE_CHECKING:
     import torch
 
+    from kvoffload.policies.base import EvictionPolicy
     from kvoffload.transfer.engine import BlockIds
 
 
 @runtime_checkable
-class BlockManager(Protocol):
-    """The manager surface the facade drives (``OffloadManager`` and the spec's model)."""
+class PlanAges(Protocol):
+    """A manager that keeps the age of its open plans (``OffloadManager`` does): the
+    offloader's ``stalled()`` reads them there rather than keeping a second ledger."""
 
-    @property
-    def num_blocks(self) -> int: ...
-    def lookup(self, key: Key) -> Lookup: ...
-    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None: ...
-    def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
-    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan: ...
-    def complete_load(self, plan: LoadPlan) -> None: ...
-    def abandon(self, plan: StorePlan | LoadPlan) -> None: ...
-    def touch(self, keys: Sequence[Key]) -> None: ...
-    def reset_cache(self) -> None: ...
+    def stalled_plans(self, older_than: float | None = None) -> list[Plan]: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +57,7 @@ class Finished:
     no longer touch its device blocks, which may be reused.
     """
 
-    plan: StorePlan | LoadPlan
+    plan: Plan
     result: JobResult
     abandoned: bool = False
 
@@ -82,10 +75,12 @@ class Offloader:
     A key names one CPU block, which holds ``block_size_factor`` device blocks: ``store``
     and ``load`` take ``block_size_factor`` device block ids per key, in order. The pool has
     ``num_cpu_blocks`` blocks, or as many as ``cpu_bytes`` holds, or as many as ``manager``
-    manages. Without ``manager``, an ``OffloadManager(num_blocks, policy)`` is built.
+    manages. Without ``manager``, an ``OffloadManager(num_blocks, policy)`` is built (the
+    pool first: ``TransferEngine.for_cache`` builds it, and the engine).
     ``threaded`` runs CPU jobs on worker threads (CUDA jobs always run on streams).
     ``stall_after`` (seconds) is the age from which ``stalled()`` (and the built manager's
-    ``stats()``) counts a job in flight as stalled.
+    ``stats()``) counts a plan in flight as stalled; its age is the manager's (by the
+    manager's clock) where the manager keeps ages, as ``OffloadManager`` does.
     """
 
     def __init__(
@@ -96,43 +91,60 @@ class Offloader:
         cpu_bytes: int | None = None,
         block_dim: int | Sequence[int] = 0,
         block_size_factor: int = 1,
-        policy: str = "lru",
-        manager: BlockManager | None = None,
+        policy: str | type[EvictionPolicy] = DEFAULT_POLICY,
+        manager: ManagerOperations | None = None,
         prefault: bool = False,
         threaded: bool = False,
-        stall_after: float = 300.0,
+        stall_after: float = DEFAULT_STALL_AFTER,
     ) -> None:
-        layout = KVLayout(kv_caches, block_dim)
-        factor = check_count("block_size_factor", block_size_factor)
         self._stall_after = check_seconds("stall_after", stall_after)
-        block_bytes = factor * layout.bytes_per_block
-        if manager is not None and not isinstance(manager, BlockManager):
+        if manager is not None and not isinstance(manager, ManagerOperations):
             raise InvalidArgumentError(
                 f"manager must be an OffloadManager (or have its methods), got {manager!r}"
             )
-        if manager is not None and num_cpu_blocks is None and cpu_bytes is None:
-            num_cpu_blocks = manager.num_blocks
-        count = pool_size(block_bytes, num_cpu_blocks, cpu_bytes)
-        # Before the manager, which allocates per block: a huge pool must fail typed.
-        require_memory(count * block_bytes, f"a CPU pool of {count} blocks x {block_bytes} bytes")
         if manager is None:
-            from kvoffload.manager import OffloadManager
+            # Resolved first: an unknown policy fails before the pool is allocated.
+            from kvoffload.policies.loading import resolve_policy
 
-            manager = OffloadManager(count, policy, stall_after=stall_after)
-        elif manager.num_blocks != count:
-            raise InvalidArgumentError(
-                f"the manager manages {manager.num_blocks} blocks but the pool has {count}"
-            )
-        pool = CpuBlockPool(block_bytes, count, pin=layout.device.type == "cuda", prefault=prefault)
-        self.engine = TransferEngine(layout, pool, block_size_factor=factor, threaded=threaded)
+            policy_class = resolve_policy(policy)
+        elif num_cpu_blocks is None and cpu_bytes is None:
+            num_cpu_blocks = manager.num_blocks
+        # The pool checks its size against this machine's memory before it allocates, and
+        # before the manager, which allocates per block, is built.
+        self.engine = TransferEngine.for_cache(
+            kv_caches,
+            num_cpu_blocks=num_cpu_blocks,
+            cpu_bytes=cpu_bytes,
+            block_dim=block_dim,
+            block_size_factor=block_size_factor,
+            prefault=prefault,
+            threaded=threaded,
+        )
+        count = self.engine.pool.num_blocks
+        try:
+            if manager is None:
+                from kvoffload.manager import OffloadManager
+
+                manager = OffloadManager(count, policy_class, stall_after=stall_after)
+            elif manager.num_blocks != count:
+                raise InvalidArgumentError(
+                    f"the manager manages {manager.num_blocks} blocks but the pool has {count}"
+                )
+        except BaseException:  # e.g. a policy's own constructor failed: release the pool
+            self.engine.close()
+            raise
         self.manager = manager
         # Every method runs under this lock (waits excepted): the manager and the job tables
         # are not safe to share between threads, and a reset must not let a job start.
         self._lock = threading.Lock()
-        self._plans: dict[int, StorePlan | LoadPlan] = {}  # job id -> its plan, in flight
+        # The job handles, which only the offloader knows (docs/data_path.md, "One ledger"):
+        self._plans: dict[int, Plan] = {}  # job id -> its plan, in flight
         self._job_of: dict[int, int] = {}  # plan id -> job id, in flight
-        self._submitted_at: dict[int, float] = {}  # job id -> time.monotonic(), in flight
         self._abandoned: set[int] = set()  # job ids in flight whose plans were abandoned
+        # Plan ages: the manager's own ledger where it keeps one; else, and only then, the
+        # offloader's: job id -> time.monotonic() at submission, in flight.
+        self._ages: PlanAges | None = manager if isinstance(manager, PlanAges) else None
+        self._submitted_at: dict[int, float] = {}
 
     @property
     def block_size_factor(self) -> int:
@@ -169,11 +181,12 @@ class Offloader:
         plan = self.manager.prepare_store(keys)
         if plan is None:
             return None
-        position = {key: index for index, key in reversed(list(enumerate(keys)))}
-        rows = [position[key] for key in plan.keys]
         try:
+            position = {key: index for index, key in reversed(list(enumerate(keys)))}
+            rows = [position[key] for key in plan.keys]
             source = device.reshape(-1, self.block_size_factor)[rows].ravel()
-            job = self.engine.submit_store(source, plan.block_ids)
+            cpu = self._pool_ids(plan, source)
+            job = self.engine._submit_trusted(Direction.STORE, source, cpu)
         except BaseException:
             self.manager.complete_store(plan, success=False)
             raise
@@ -195,7 +208,8 @@ class Offloader:
         require_distinct("device_block_ids", device)
         plan = self.manager.prepare_load(keys)
         try:
-            job = self.engine.submit_load(plan.block_ids, device)
+            cpu = self._pool_ids(plan, device)
+            job = self.engine._submit_trusted(Direction.LOAD, device, cpu)
         except BaseException:
             self.manager.complete_load(plan)
             raise
@@ -212,7 +226,8 @@ class Offloader:
         for result in self.engine.poll():
             job = result.job_id
             plan = self._plans.pop(job)
-            del self._job_of[plan.plan_id], self._submitted_at[job]
+            del self._job_of[plan.plan_id]
+            self._submitted_at.pop(job, None)
             abandoned = job in self._abandoned
             self._abandoned.discard(job)
             if isinstance(plan, StorePlan):
@@ -222,9 +237,7 @@ class Offloader:
             finished.append(Finished(plan, result, abandoned))
         return finished
 
-    def wait(
-        self, plans: Sequence[StorePlan | LoadPlan] | None = None, timeout: float | None = None
-    ) -> bool:
+    def wait(self, plans: Sequence[Plan] | None = None, timeout: float | None = None) -> bool:
         """Block until the jobs of ``plans`` (default: all in flight but the abandoned ones)
         finished, or ``timeout`` seconds passed; True if they all finished. ``poll`` then
         completes them. Other threads may use the offloader meanwhile.
@@ -244,22 +257,31 @@ class Offloader:
             job = self._job(plan)
         self.engine.stream_wait(job, stream)
 
-    def stalled(self, older_than: float | None = None) -> list[StorePlan | LoadPlan]:
+    def stalled(self, older_than: float | None = None) -> list[Plan]:
         """The plans in flight, not abandoned, submitted more than ``older_than`` seconds
         ago (default: ``stall_after``), oldest first: the candidates for ``abandon``.
         """
         age = self._stall_after if older_than is None else check_seconds("older_than", older_than)
         with self._lock:
-            cutoff = time.monotonic() - age
+            if self._ages is None:
+                cutoff = time.monotonic() - age
+                return [
+                    self._plans[job]
+                    for job, submitted in self._submitted_at.items()
+                    if submitted <= cutoff and job not in self._abandoned
+                ]
+            # The manager's open plans by age, its abandoned ones left out; of those, the
+            # ones in flight here (a plan made on the manager directly has no job here).
+            in_flight = self._job_of
             return [
-                self._plans[job]
-                for job, submitted in self._submitted_at.items()
-                if submitted <= cutoff and job not in self._abandoned
+                plan
+                for plan in self._ages.stalled_plans(age)
+                if (job := in_flight.get(plan.plan_id)) is not None and job not in self._abandoned
             ]
 
-    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+    def abandon(self, plan: Plan) -> None:
         """Give up waiting for the job of ``plan`` (it stalled): the manager releases what
-        the plan holds now, safely (see ``OffloadManager.abandon``: a store's slots stay
+        the plan holds now, safely (see ``OffloadManager.abandon``: a store's block ids stay
         quarantined until the job reports). ``poll`` reports the job when it ends, as
         ``Finished(..., abandoned=True)``; until then a load's device blocks may still be
         written: do not reuse them before. ``reset`` no longer waits for the job.
@@ -273,7 +295,7 @@ class Offloader:
 
     def reset(self, timeout: float | None = None) -> list[Finished]:
         """Wait for every job in flight but the abandoned ones, complete their plans, then
-        empty the pool (abandoned stores' slots stay quarantined until their jobs end).
+        empty the pool (abandoned stores' block ids stay quarantined until their jobs end).
 
         Returns the plans that finished meanwhile, so that no completion is lost. Raises
         ``TransferTimeoutError``, having changed nothing, if the jobs did not finish within
@@ -319,16 +341,30 @@ class Offloader:
             )
         return device
 
-    def _track(self, plan: StorePlan | LoadPlan, job: int) -> None:
+    def _pool_ids(self, plan: Plan, device: IdArray) -> IdArray:
+        """The CPU side of ``plan``, checked as ``submit_*`` would check it against the
+        ``device`` ids it pairs with: a manager of the caller's own may hand out block ids
+        outside this pool, too few, or one block twice for a store. The device ids were
+        checked before the manager planned; this is each id's only check, the engine
+        trusts both.
+        """
+        cpu = as_block_ids("cpu_block_ids", plan.block_ids, self.engine.pool.num_blocks)
+        require_pairs(device, cpu, self.block_size_factor)
+        if isinstance(plan, StorePlan):
+            require_distinct("cpu_block_ids", cpu)
+        return cpu
+
+    def _track(self, plan: Plan, job: int) -> None:
         self._plans[job] = plan
         self._job_of[plan.plan_id] = job
-        self._submitted_at[job] = time.monotonic()
+        if self._ages is None:
+            self._submitted_at[job] = time.monotonic()
 
     def _unabandoned(self) -> list[int]:
         return [job for job in self._plans if job not in self._abandoned]
 
-    def _job(self, plan: StorePlan | LoadPlan) -> int:
-        job = self._job_of.get(plan.plan_id) if isinstance(plan, (StorePlan, LoadPlan)) else None
+    def _job(self, plan: Plan) -> int:
+        job = self._job_of.get(plan.plan_id) if isinstance(plan, Plan) else None
         if job is None or self._plans[job] != plan:
             raise InvalidArgumentError(
                 f"{plan!r} is not in flight in this offloader: pass a plan its store or load "

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvoffload.belady import belady_hits
-from kvoffload.sweep import DevicePrefixCache
+from kvoffload.device_cache import DevicePrefixCache
 from kvoffload.traces import BlockId, Request, Trace
+from kvoffload_spec.defaults import DEFAULT_POLICY
 from kvoffload_spec.errors import InvalidArgumentError
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
 from kvoffload_spec.validation import check_count
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class SimulationConfig:
 
     gpu_blocks: int = 1024
     cpu_blocks: int = 4096
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     block_bytes: int = 4096
     max_requests: int | None = None
 
@@ -96,7 +97,7 @@ class TimedManager:
         self.inner.complete_load(plan)
         self._timed("complete_load", started)
 
-    def abandon(self, plan: StorePlan | LoadPlan) -> None:
+    def abandon(self, plan: Plan) -> None:
         started = time.perf_counter_ns()
         self.inner.abandon(plan)
         self._timed("abandon", started)
@@ -471,19 +472,19 @@ class _Engine:
         if cpu_hits:
             self._load(list(dict.fromkeys(cpu_ids[:cpu_hits])))
         self._recompute(list(dict.fromkeys(cpu_ids[cpu_hits:])))
-        plan = self.offloader.store(cpu_ids, self._slots(cpu_ids)) if cpu_ids else None
+        plan = self.offloader.store(cpu_ids, self._device_blocks(cpu_ids)) if cpu_ids else None
         self.offloader.touch(cpu_ids)
         if plan is not None:
             self.offloader.wait([plan])
             self._account(self.offloader.poll())
 
-    def _slots(self, keys: Sequence[BlockId]) -> list[int]:
+    def _device_blocks(self, keys: Sequence[BlockId]) -> list[int]:
         return [self.device_cache.slots[key] for key in keys]
 
     def _rows(self, keys: Sequence[BlockId]) -> torch.Tensor:
         import torch
 
-        return torch.tensor(self._slots(keys), dtype=torch.int64, device=self._device)
+        return torch.tensor(self._device_blocks(keys), dtype=torch.int64, device=self._device)
 
     def _recompute(self, keys: Sequence[BlockId]) -> None:
         if keys:
@@ -494,7 +495,7 @@ class _Engine:
 
         rows = self._rows(keys)
         self.kv[rows] = 0  # so a load that copies nothing cannot pass for a correct one
-        plan = self.offloader.load(keys, self._slots(keys))
+        plan = self.offloader.load(keys, self._device_blocks(keys))
         self.offloader.wait([plan])
         self._account(self.offloader.poll())
         loaded = self.kv[rows]

@@ -42,50 +42,36 @@ A policy is named as everywhere else: a built-in name, ``"module:Class"`` or an
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import islice
-from typing import Protocol
 
 from kvoffload.belady import belady_hits
+from kvoffload.device_cache import DevicePrefixCache
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.loading import BUILTIN_POLICIES, resolve_policy
 from kvoffload.traces import Request, Trace
 from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
-from kvoffload_spec.surface import Key, Lookup, StorePlan
+from kvoffload_spec.surface import Key, Lookup, ManagerOperations
 from kvoffload_spec.validation import check_count
 
 BELADY = "belady"  # the offline optimum: not a policy a manager runs, computed on the side
-SWEEP_POLICIES = (*BUILTIN_POLICIES, BELADY)  # every built-in policy, and the optimum
+SWEEP_POLICIES = (*BUILTIN_POLICIES, BELADY)  # the registry's policies, and the optimum
 DEFAULT_CAPACITIES = (1000, 4000, 16000, 64000)
 
 PolicyName = str | type[EvictionPolicy]
 """A built-in name, ``"belady"``, ``"module:Class"`` or an ``EvictionPolicy`` subclass."""
 
 
-class CacheTier(Protocol):
-    """The part of the manager's surface a replay drives (``OffloadManager`` has it)."""
-
-    def lookup(self, key: Key) -> Lookup: ...
-
-    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None: ...
-
-    def complete_store(self, plan: StorePlan, success: bool = True) -> None: ...
-
-    def touch(self, keys: Sequence[Key]) -> None: ...
-
-
-TierFactory = Callable[[PolicyName, int], CacheTier]
+TierFactory = Callable[[PolicyName, int], ManagerOperations]
 """Builds a CPU tier from a policy (a built-in name or a policy class) and a capacity in
 blocks."""
 
 
-def new_manager(policy: PolicyName, capacity: int) -> CacheTier:
+def new_manager(policy: PolicyName, capacity: int) -> ManagerOperations:
     """The production manager: fast enough for whole traces at any capacity."""
     from kvoffload.manager import OffloadManager
 
-    manager: CacheTier = OffloadManager(capacity, policy)
+    manager: ManagerOperations = OffloadManager(capacity, policy)
     return manager
 
 
@@ -100,14 +86,14 @@ class TierCounts:
     rejected_stores: int = 0  # prepare_store calls that could not place their blocks
 
 
-def longest_resident_prefix(request: Sequence[Key], tier: CacheTier) -> int:
+def longest_resident_prefix(request: Sequence[Key], tier: ManagerOperations) -> int:
     for hits, key in enumerate(request):
         if tier.lookup(key) is not Lookup.HIT:
             return hits
     return len(request)
 
 
-def replay(requests: Sequence[Request], tier: CacheTier) -> TierCounts:
+def replay(requests: Sequence[Request], tier: ManagerOperations) -> TierCounts:
     """Drive ``tier`` through ``requests`` in the engine's call order (module docstring)."""
     counts = TierCounts()
     for request in requests:
@@ -122,46 +108,6 @@ def replay(requests: Sequence[Request], tier: CacheTier) -> TierCounts:
             counts.stored += len(plan.keys)
             counts.evicted += len(plan.evicted_keys)
     return counts
-
-
-class DevicePrefixCache:
-    """The engine's device prefix cache: LRU over blocks, each in a device slot.
-
-    ``admit`` plays one request in the engine's call order and returns its hit prefix.
-    Every block of the request must be on the device at once, so a request longer than the
-    cache is an error, raised before anything changes.
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = check_count("num_blocks", num_blocks)
-        self.slots: OrderedDict[Hashable, int] = OrderedDict()  # least recent first
-        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
-
-    def admit(self, request: Sequence[Hashable]) -> int:
-        distinct = list(dict.fromkeys(request))
-        if len(distinct) > self.num_blocks:
-            raise InvalidArgumentError(
-                f"a request of {len(distinct)} blocks does not fit in a device cache of "
-                f"{self.num_blocks} blocks"
-            )
-        hits = 0
-        for key in request:
-            if key not in self.slots:
-                break
-            hits += 1
-        absent = [key for key in distinct if key not in self.slots]
-        protected = set(distinct)
-        need = len(absent) - len(self._free)
-        if need > 0:
-            # Least recent first; stops early, so a full cache costs O(need + request).
-            victims = islice((key for key in self.slots if key not in protected), need)
-            for key in list(victims):
-                self._free.append(self.slots.pop(key))
-        for key in absent:
-            self.slots[key] = self._free.pop()
-        for key in reversed(request):
-            self.slots.move_to_end(key)
-        return hits
 
 
 def cpu_stream(requests: Sequence[Request], gpu_blocks: int) -> tuple[list[Request], int]:
@@ -204,7 +150,7 @@ def label_policies(policies: Sequence[PolicyName]) -> dict[str, PolicyName]:
         if policy == BELADY or (isinstance(policy, str) and policy in BUILTIN_POLICIES):
             label, resolved = str(policy), policy
         elif isinstance(policy, str) and ":" not in policy:
-            known = ", ".join([*BUILTIN_POLICIES, BELADY])
+            known = ", ".join(SWEEP_POLICIES)
             raise UnknownPolicyError(
                 f"unknown policy {policy!r}: choose among {known}, or name your own as "
                 "'module:Class'"

@@ -10,3 +10,6 @@ DEFAULT_STORE_THRESHOLD = 1
 
 DEFAULT_MAX_TRACKER_SIZE = 64_000
 """How many keys the offer tracker behind ``store_threshold`` remembers (vLLM's default)."""
+
+DEFAULT_STALL_AFTER = 300.0
+"""Seconds after which an open plan (a job in flight) counts as stalled."""

@@ -17,6 +17,11 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvoffload.manager import OffloadManager
+from kvoffload_spec.defaults import (
+    DEFAULT_MAX_TRACKER_SIZE,
+    DEFAULT_POLICY,
+    DEFAULT_STORE_THRESHOLD,
+)
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Lookup
 
@@ -60,11 +65,12 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             self._host = mem_pool_host
             self._page_dtype = page.dtype
             self._pool = torch.empty((num_pages, page_bytes), dtype=torch.uint8)
+            extra = self._extra
             self._manager = OffloadManager(
                 num_pages,
-                str(self._extra.get("eviction_policy", "lru")),
-                store_threshold=max(1, int(self._extra.get("store_threshold", 1))),
-                max_tracker_size=int(self._extra.get("max_tracker_size", 64_000)),
+                str(extra.get("eviction_policy", DEFAULT_POLICY)),
+                store_threshold=max(1, int(extra.get("store_threshold", DEFAULT_STORE_THRESHOLD))),
+                max_tracker_size=int(extra.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)),
             )
 
     @property
@@ -97,9 +103,9 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             hits = self._hit_prefix(names)
             plan = self.manager.prepare_load(names[:hits])
             try:
-                for i, slot in enumerate(plan.block_ids):
+                for i, block_id in enumerate(plan.block_ids):
                     index = int(host_indices[i * self._host.page_size])
-                    data = self._pool_page(slot).view(self._page_dtype)
+                    data = self._pool_page(block_id).view(self._page_dtype)
                     self._host.set_from_flat_data_page(index, data)
             finally:
                 self.manager.complete_load(plan)
@@ -184,9 +190,9 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         source: dict[object, torch.Tensor] = dict(zip(keys, pages, strict=True))
         ok = False
         try:
-            for key, slot in zip(plan.keys, plan.block_ids, strict=True):
+            for key, block_id in zip(plan.keys, plan.block_ids, strict=True):
                 flat = source[key].reshape(-1)
-                self._pool_page(slot).copy_(flat.view(torch.uint8))
+                self._pool_page(block_id).copy_(flat.view(torch.uint8))
             ok = True
         finally:
             self.manager.complete_store(plan, ok)
@@ -197,6 +203,6 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         data: torch.Tensor = self._host.get_data_page(index, flat=True)
         return data
 
-    def _pool_page(self, slot: int) -> torch.Tensor:
+    def _pool_page(self, block_id: int) -> torch.Tensor:
         assert self._pool is not None
-        return self._pool[slot]
+        return self._pool[block_id]

@@ -44,6 +44,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.manager import OffloadManager
 from kvoffload.transfer import CpuBlockPool, KVLayout, TransferEngine
+from kvoffload_spec.defaults import (
+    DEFAULT_MAX_TRACKER_SIZE,
+    DEFAULT_POLICY,
+    DEFAULT_STORE_THRESHOLD,
+)
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import (
     BlocksRemoved,
@@ -51,6 +56,7 @@ from kvoffload_spec.surface import (
     Event,
     LoadPlan,
     Lookup,
+    Plan,
     RemovalReason,
     StorePlan,
 )
@@ -80,17 +86,17 @@ class KvoffloadManager(OffloadingManager):
     the same blocks at once; their plans complete oldest first). Recency, which vLLM 0.33's
     scheduler never reports through ``touch``, comes from the accesses of each request: its
     keys are touched in prefix order (the head ends most recent) after each of its prepare
-    calls and when it finishes. A reset abandons every open plan, so that no slot an old job
-    may still write is handed out before ``on_reset_flushed`` says those jobs are over.
+    calls and when it finishes. A reset abandons every open plan, so that no block id an old
+    job may still write is handed out before ``on_reset_flushed`` says those jobs are over.
     """
 
     def __init__(
         self,
         num_chunks: int,
-        eviction_policy: str = "lru",
+        eviction_policy: str = DEFAULT_POLICY,
         *,
-        store_threshold: int = 1,
-        max_tracker_size: int = 64_000,
+        store_threshold: int = DEFAULT_STORE_THRESHOLD,
+        max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
         enable_events: bool = False,
         config_info: ConfigInfoMapping | None = None,
         manager: OffloadManager | None = None,
@@ -112,7 +118,7 @@ class KvoffloadManager(OffloadingManager):
         self._store_plan_of: dict[OffloadKey, StorePlan] = {}  # pending key -> its open plan
         self._store_left: dict[int, set[OffloadKey]] = {}  # plan id -> keys not completed yet
         self._load_plans: defaultdict[frozenset[OffloadKey], deque[LoadPlan]] = defaultdict(deque)
-        self._abandoned: list[StorePlan | LoadPlan] = []  # due at on_reset_flushed
+        self._abandoned: list[Plan] = []  # due at on_reset_flushed
         self._generation = 0
         self._allocation_sizes: list[int] = []
 
@@ -207,10 +213,10 @@ class KvoffloadManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         # vLLM never completes the jobs in flight now; it calls on_reset_flushed once the
-        # workers have reported them all. Abandon their plans first: a store's slots stay
-        # quarantined (handed to no one) until then, so an old copy cannot land in a slot a
-        # new key was given.
-        open_plans: list[StorePlan | LoadPlan] = list(
+        # workers have reported them all. Abandon their plans first: a store's block ids stay
+        # quarantined (handed to no one) until then, so an old copy cannot land in a CPU
+        # block a new key was given.
+        open_plans: list[Plan] = list(
             {plan.plan_id: plan for plan in self._store_plan_of.values()}.values()
         )
         open_plans += [plan for plans in self._load_plans.values() for plan in plans]
@@ -315,9 +321,9 @@ def _manager_for(spec: CPUOffloadingSpec) -> KvoffloadManager:
     extra: dict[str, Any] = dict(spec.extra_config)
     return KvoffloadManager(
         spec.num_chunks,
-        str(extra.get("eviction_policy", "lru")),
-        store_threshold=int(extra.get("store_threshold", 0)),
-        max_tracker_size=int(extra.get("max_tracker_size", 64_000)),
+        str(extra.get("eviction_policy", DEFAULT_POLICY)),
+        store_threshold=int(extra.get("store_threshold", DEFAULT_STORE_THRESHOLD)),
+        max_tracker_size=int(extra.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)),
         enable_events=spec.kv_events_config.enable_kv_cache_events,
         config_info=spec.cpu_info.as_config_info(),
     )

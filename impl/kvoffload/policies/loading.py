@@ -17,12 +17,16 @@ BUILTIN_POLICIES: dict[str, type[EvictionPolicy]] = {
     "arc": ArcPolicy,
     "duel": DuelPolicy,
 }
+"""The registry: every built-in policy class by its name, the one table of them. The CLI,
+the sweep and the engine adapters read their names here; the spec, which cannot import
+this package, lists the same names in ``kvoffload_spec.policies.POLICY_NAMES`` (a test
+holds the two equal)."""
 
 
 def resolve_policy(policy: object) -> type[EvictionPolicy]:
     """The policy class ``policy`` names; raises ``UnknownPolicyError`` if there is none.
 
-    Accepted: a built-in name (``"lru"``, ``"arc"``, ``"duel"``), a concrete subclass of
+    Accepted: a built-in name (a key of ``BUILTIN_POLICIES``), a concrete subclass of
     :class:`EvictionPolicy`, or ``"package.module:ClassName"``, which imports the module.
     """
     if isinstance(policy, str):

@@ -1,4 +1,4 @@
-"""The CUDA backend: one stream per direction, a pair of events per job, pinned pools.
+"""The CUDA backend: one stream per direction, a pair of events per job.
 
 Only the GPU test run exercises this module (tests marked ``cuda``); here it is
 type-checked. Ordering, which is what keeps bytes right:
@@ -21,46 +21,9 @@ from typing import TYPE_CHECKING
 
 from kvoffload.transfer.copiers import Copier
 from kvoffload.transfer.jobs import Direction, FaultHook, Job, JobResult
-from kvoffload_spec.errors import InvalidArgumentError, OffloadError
 
 if TYPE_CHECKING:
     import torch
-
-
-def require_cuda(what: str) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise InvalidArgumentError(f"{what} needs CUDA, and torch sees no CUDA device")
-
-
-class HostRegistrationError(OffloadError):
-    """CUDA refused to page-lock (or release) the CPU pool's memory."""
-
-
-class HostRegistration:
-    """Page-locks a CPU tensor's memory for DMA (``cudaHostRegister``) until called.
-
-    Holding the tensor keeps its memory alive for as long as it is registered. The calls
-    are those of torch's own ``torch.cuda._pin_memory_utils``.
-    """
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        import torch
-
-        self._tensor = tensor
-        self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-        code = int(self._cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), portable))
-        if code != 0:
-            raise HostRegistrationError(
-                f"cudaHostRegister of {tensor.numel()} bytes failed with cudaError {code}"
-            )
-
-    def __call__(self) -> None:
-        code = int(self._cudart.cudaHostUnregister(self._tensor.data_ptr()))
-        if code != 0:
-            raise HostRegistrationError(f"cudaHostUnregister failed with cudaError {code}")
 
 
 @dataclass

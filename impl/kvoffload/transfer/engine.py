@@ -120,7 +120,7 @@ class TransferEngine:
         """
         device, cpu = self._pairs(device_block_ids, cpu_block_ids)
         require_distinct("cpu_block_ids", cpu)
-        return self._submit(Direction.STORE, device, cpu)
+        return self._submit_trusted(Direction.STORE, device, cpu)
 
     def submit_load(self, cpu_block_ids: BlockIds, device_block_ids: BlockIds) -> int:
         """Copy CPU blocks into device blocks; returns the job id. Device ids must be
@@ -128,7 +128,25 @@ class TransferEngine:
         """
         device, cpu = self._pairs(device_block_ids, cpu_block_ids)
         require_distinct("device_block_ids", device)
-        return self._submit(Direction.LOAD, device, cpu)
+        return self._submit_trusted(Direction.LOAD, device, cpu)
+
+    def _submit_trusted(self, direction: Direction, device: IdArray, cpu: IdArray) -> int:
+        """Submit a job whose ids its caller has validated already, checking nothing: the
+        entry of a caller that must check ids before it changes state of its own (the
+        ``Offloader`` checks them before its manager plans), so that no id is checked twice.
+
+        The caller guarantees what ``submit_store`` / ``submit_load`` would check: the engine
+        is open; ``device`` and ``cpu`` are int64 arrays of ids in range (``as_block_ids``),
+        ``block_size_factor`` device ids per CPU id; the side that is written holds no id
+        twice (``require_distinct``). Ids that break this can make the job copy the wrong
+        blocks (a raw copy outside the buffers is still refused, failing the job).
+        """
+        runs = self._mapping.runs(device, cpu, to_cpu=direction is Direction.STORE)
+        job_id = self._issued
+        self._issued += 1
+        nbytes = len(device) * self.layout.bytes_per_block
+        self._backend.submit(Job(job_id, direction, runs, nbytes))
+        return job_id
 
     def poll(self) -> list[JobResult]:
         """The jobs that finished since the last poll, each reported once."""
@@ -195,20 +213,8 @@ class TransferEngine:
         self.require_open()
         device = as_block_ids("device_block_ids", device_block_ids, self.layout.num_blocks)
         cpu = as_block_ids("cpu_block_ids", cpu_block_ids, self.pool.num_blocks)
-        if len(device) != self.block_size_factor * len(cpu):
-            raise InvalidArgumentError(
-                f"{len(cpu)} CPU blocks hold {self.block_size_factor * len(cpu)} device "
-                f"blocks (block_size_factor={self.block_size_factor}), got {len(device)}"
-            )
+        require_pairs(device, cpu, self.block_size_factor)
         return device, cpu
-
-    def _submit(self, direction: Direction, device: IdArray, cpu: IdArray) -> int:
-        runs = self._mapping.runs(device, cpu, to_cpu=direction is Direction.STORE)
-        job_id = self._issued
-        self._issued += 1
-        nbytes = len(device) * self.layout.bytes_per_block
-        self._backend.submit(Job(job_id, direction, runs, nbytes))
-        return job_id
 
     def _issued_ids(self, job_ids: Iterable[int]) -> list[int]:
         if not isinstance(job_ids, (list, tuple, range, set, frozenset)):
@@ -280,6 +286,15 @@ def as_block_ids(name: str, ids: object, limit: int) -> IdArray:
     if low < 0 or high >= limit:
         raise InvalidArgumentError(f"{name} must lie in [0, {limit}), got ids {low} to {high}")
     return array.astype(np.int64, copy=False)
+
+
+def require_pairs(device: IdArray, cpu: IdArray, factor: int) -> None:
+    """``factor`` device block ids for each CPU block id, or a typed error."""
+    if len(device) != factor * len(cpu):
+        raise InvalidArgumentError(
+            f"{len(cpu)} CPU blocks hold {factor * len(cpu)} device blocks "
+            f"(block_size_factor={factor}), got {len(device)}"
+        )
 
 
 def require_distinct(name: str, ids: IdArray) -> None:

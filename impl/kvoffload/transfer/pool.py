@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvoffload_spec.errors import InvalidArgumentError
+from kvoffload_spec.errors import InvalidArgumentError, OffloadError
 from kvoffload_spec.validation import check_count, check_flag
 
 if TYPE_CHECKING:
@@ -84,8 +84,6 @@ class CpuBlockPool:
         nbytes = count * block_bytes
         require_memory(nbytes, f"a CPU pool of {count} blocks x {block_bytes} bytes")
         if pin:
-            from kvoffload.transfer.cuda import require_cuda
-
             require_cuda("a pinned CPU pool")
         self.num_blocks = count
         self.block_bytes = block_bytes
@@ -96,8 +94,6 @@ class CpuBlockPool:
         self.pinned = pin
         self._unpin: Callable[[], None] | None = None
         if pin:
-            from kvoffload.transfer.cuda import HostRegistration
-
             self._unpin = weakref.finalize(self, HostRegistration(self.flat))
 
     @property
@@ -112,6 +108,42 @@ class CpuBlockPool:
     def __repr__(self) -> str:
         kind = "pinned" if self.pinned else "pageable"
         return f"CpuBlockPool({self.num_blocks} x {self.block_bytes} bytes, {kind})"
+
+
+def require_cuda(what: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InvalidArgumentError(f"{what} needs CUDA, and torch sees no CUDA device")
+
+
+class HostRegistrationError(OffloadError):
+    """CUDA refused to page-lock (or release) the CPU pool's memory."""
+
+
+class HostRegistration:
+    """Page-locks a CPU tensor's memory for DMA (``cudaHostRegister``) until called.
+
+    Holding the tensor keeps its memory alive for as long as it is registered. The calls
+    are those of torch's own ``torch.cuda._pin_memory_utils``.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        import torch
+
+        self._tensor = tensor
+        self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+        code = int(self._cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), portable))
+        if code != 0:
+            raise HostRegistrationError(
+                f"cudaHostRegister of {tensor.numel()} bytes failed with cudaError {code}"
+            )
+
+    def __call__(self) -> None:
+        code = int(self._cudart.cudaHostUnregister(self._tensor.data_ptr()))
+        if code != 0:
+            raise HostRegistrationError(f"cudaHostUnregister failed with cudaError {code}")
 
 
 def _allocate_aligned(nbytes: int) -> torch.Tensor:
