@@ -274,7 +274,11 @@ class Lane:
         for key in range(self.num_keys):
             same(f"lookup({key})", manager.lookup(key), model.lookup(key))
             block = model.state.blocks.get(key)
-            if block is not None and block.ready and self.slots[block.block_id] != self.stored.get(key):
+            if (
+                block is not None
+                and block.ready
+                and self.slots[block.block_id] != self.stored.get(key)
+            ):
                 raise Divergence(
                     f"slot {block.block_id} of ready {key!r} holds {self.slots[block.block_id]}"
                 )

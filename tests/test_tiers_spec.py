@@ -71,7 +71,10 @@ def test_without_the_quarantine_an_abandoned_fetch_overwrites_another_key() -> N
     report = explore_tiers(blocks=1, keys=("a", "b"), depth=7, rules=FreesAnAbandonedFetchsSlot())
     assert report.violation is not None
     assert "abandon_fetch(job 0)" in report.violation.steps
-    assert report.violation.message == "the fetch of 'a' writes block id 0, which another key now holds"
+    assert (
+        report.violation.message
+        == "the fetch of 'a' writes block id 0, which another key now holds"
+    )
 
 
 def test_the_module_examples_run() -> None:

@@ -23,6 +23,7 @@ from kvoffload.stats import ManagerStats, Tally
 from kvoffload_spec.defaults import (
     DEFAULT_MAX_TRACKER_SIZE,
     DEFAULT_POLICY,
+    DEFAULT_STALL_AFTER,
     DEFAULT_STORE_THRESHOLD,
 )
 from kvoffload_spec.errors import (
@@ -109,7 +110,7 @@ class OffloadManager:
         store_threshold: int = DEFAULT_STORE_THRESHOLD,
         max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
         enable_events: bool = False,
-        stall_after: float = 300.0,
+        stall_after: float = DEFAULT_STALL_AFTER,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``policy`` is "lru", "arc", an ``EvictionPolicy`` subclass or "module:Class".

@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.policies import POLICY_NAMES
+from kvoffload_spec.validation import check_seconds
 
 if TYPE_CHECKING:
     from kvoffload.conformance import ManagerLike
@@ -109,7 +109,7 @@ def verify(
     """
     from kvoffload.policies.loading import resolve_policy
 
-    _check_seconds("budget_s", budget_s)
+    check_seconds("budget_s", budget_s)
     policy_class = resolve_policy(policy)
     name = policy if isinstance(policy, str) else policy.__qualname__
     # only a built-in name promises the spec's own victims
@@ -125,12 +125,6 @@ def verify(
         on_stage(f"conformance: {name} against the spec")
     report.checks.append(_conformance(exact, policy_class, started + budget_s, report))
     return report
-
-
-def _check_seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidArgumentError(f"{name} must be a number of seconds above 0, got {value!r}")
-    return float(value)
 
 
 def _exploration(

@@ -89,7 +89,7 @@ from kvoffload_spec.surface import (
     RemovalReason,
     StorePlan,
 )
-from kvoffload_spec.validation import check_count, check_keys
+from kvoffload_spec.validation import check_count, check_keys, check_seconds
 
 CHECKS = frozenset({"invariants", "model", "events", "unchanged", "data"})
 """The families of checks (see the module's docstring); :func:`explore` runs them all."""
@@ -600,8 +600,8 @@ def explore(
         raise InvalidArgumentError(
             f"unknown checks {sorted(unknown)}: choose from {sorted(CHECKS)}"
         )
-    if max_seconds is not None and not max_seconds > 0:
-        raise InvalidArgumentError(f"max_seconds must be positive, got {max_seconds!r}")
+    if max_seconds is not None:
+        check_seconds("max_seconds", max_seconds)
     if fingerprint is None:
         fingerprint = cast(FingerprintFn[S], model_fingerprint)
     if clone is None:
