@@ -131,6 +131,27 @@ class Lockstep:
             self._account(op, got, expected)
         return got, expected
 
+    def follow(self, op: Operation, got: object) -> tuple[object, object]:
+        """The system made ``op`` already (a facade over it did, say an ``Offloader``) and
+        it gave ``got`` (its result, or the ``OffloadError`` it raised): make ``op`` on the
+        model alone and compare, record and account as :meth:`apply` does."""
+        mine, spec = self._plans_of(op)
+        got, expected = self._both(
+            op.describe(self.name(mine) if mine is not None else ""),
+            lambda: got,
+            lambda: perform(self.model, op, spec, mine),
+            between=self._dictate if op.name == PREPARE_STORE and not op.misuse else None,
+        )
+        self._account(op, got, expected)
+        return got, expected
+
+    def index(self, plan: Plan) -> int:
+        """Where the system's ``plan`` is in ``held`` (what an operation on it names)."""
+        for number, (mine, _) in enumerate(self.held):
+            if mine is plan:
+                return number
+        raise self.failure(f"{self.name(plan)} is not open")
+
     def refuse(self, op: Operation) -> OffloadError:
         """:meth:`apply` ``op``, which both sides must refuse with one error class and no
         change: neither side's abstract state (the model's state, the system's abstraction)
