@@ -59,6 +59,7 @@ from kvoffload_spec.operations import (
     RESET,
     Operation,
 )
+from kvoffload_spec.refinement import abstract
 from kvoffload_spec.surface import LoadPlan, Lookup, Plan, PlanT, StorePlan
 from tests.helpers import every_field
 
@@ -462,6 +463,7 @@ class OffloaderWorld:
         engine = offloader.engine
         return (
             every_field(offloader.manager),
+            repr(abstract(offloader.manager)),  # the policy's order too (it has no slots)
             dict(offloader._plans),
             dict(offloader._job_of),
             set(offloader._abandoned),
