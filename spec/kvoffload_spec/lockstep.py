@@ -260,7 +260,7 @@ class Lockstep:
 
     def name(self, plan: Plan) -> str:
         """A plan by the call that made it, as the history numbers calls."""
-        return self.plan_names.get(id(plan), repr(plan))
+        return self.plan_names.get(id(plan)) or repr(plan)  # repr only when unnamed: hot
 
     def resident(self, among: Sequence[Key] | None = None) -> list[Key]:
         """The keys of ``among`` (default: the watched ones) the model holds."""
