@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -46,7 +46,7 @@ from kvoffload_spec.errors import (
     PlanAlreadyCompletedError,
     UnknownPolicyError,
 )
-from kvoffload_spec.lockstep import Lockstep, StandIn
+from kvoffload_spec.lockstep import Divergence, Lockstep, StandIn
 from kvoffload_spec.operations import (
     ABANDON,
     AGAIN,
@@ -57,10 +57,11 @@ from kvoffload_spec.operations import (
     PREPARE_LOAD,
     PREPARE_STORE,
     RESET,
+    TOUCH,
     Operation,
 )
 from kvoffload_spec.refinement import abstract
-from kvoffload_spec.surface import LoadPlan, Lookup, Plan, PlanT, StorePlan
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, PlanT, StorePlan
 from tests.helpers import every_field
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
@@ -193,13 +194,15 @@ OPEN = ("open store", "open load", "stale store", "stale load")
 ABANDONED = ("abandoned store", "abandoned load")
 
 
-def world(policy: str) -> tuple[Lockstep, dict[str, int]]:
+def world(
+    policy: str, manager: type[OffloadManager] = OffloadManager
+) -> tuple[Lockstep, dict[str, int]]:
     """A manager and the spec in lockstep through a history that leaves plans in every
     state: stale (made before a reset), completed, open, abandoned. Returns the driver and
     each plan's index in its ``held + closed``, by name.
     """
     driver = Lockstep(
-        OffloadManager(8, policy),
+        manager(8, policy),
         OffloadModel(8, policy),
         setting=f"8 blocks, {policy}",
         watched=READY + PENDING + ABSENT,
@@ -407,6 +410,24 @@ def test_the_manager_refuses_a_bad_age_of_stalled_plans_alike(seconds: object, p
     refused(InvalidArgumentError, manager.stalled_plans, seconds)
     assert manager.stats() == before
     driver.check()
+
+
+class RefusedTouchStillTouches(OffloadManager):
+    """A planted bug: touches the keys before the first unhashable one, then refuses."""
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        if isinstance(keys, list):
+            super().touch(list(itertools.takewhile(lambda key: isinstance(key, Hashable), keys)))
+        super().touch(keys)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_refused_call_that_changes_the_order_is_caught(policy: str) -> None:
+    """What a walk over the manager's fields missed (a policy has no slots to walk): the
+    driver compares the abstraction, the policy's order included."""
+    driver, _ = world(policy, RefusedTouchStillTouches)
+    with pytest.raises(Divergence, match="the refused call changed the manager's abstract"):
+        driver.refuse(Operation(TOUCH, argument=["a", []]))
 
 
 def test_a_stale_plan_is_completed_once_and_changes_nothing() -> None:
