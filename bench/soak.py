@@ -33,19 +33,27 @@ import sys
 import time
 import tracemalloc
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 from kvoffload.manager import OffloadManager
 from kvoffload_spec import OffloadModel
-from kvoffload_spec.errors import OffloadError
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from kvoffload_spec.lockstep import Divergence, Lockstep
+from kvoffload_spec.operations import (
+    ABANDON,
+    COMPLETE_LOAD,
+    COMPLETE_STORE,
+    LOOKUP,
+    PREPARE_LOAD,
+    PREPARE_STORE,
+    RESET,
+    TOUCH,
+    Operation,
+)
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
 
 RESULTS = Path(__file__).resolve().parent / "results"
-T = TypeVar("T")
-Plan = StorePlan | LoadPlan
 Label = tuple[Key, int]  # what a CPU slot holds: the key and the version of its store
 
 FAIL = 0.05  # of jobs fail at some key
@@ -54,32 +62,14 @@ WARM_UP = 0.2  # of the operations, before memory is expected to stay flat
 BLOCK_BYTES = 256  # of the offloader lane's KV blocks: 2 layers x (K, V) x 64
 
 
-class Divergence(Exception):
-    """The manager, the data or the spec disagree."""
-
-
-def attempt(call: Callable[[], T]) -> T | OffloadError:
-    try:
-        return call()
-    except OffloadError as error:
-        return error
-
-
-def same(what: str, got: object, expected: object) -> None:
-    if isinstance(got, OffloadError) or isinstance(expected, OffloadError):
-        agree = type(got) is type(expected)
-    else:
-        agree = got == expected
-    if not agree:
-        raise Divergence(f"{what}: the manager gave {got!r}, the spec {expected!r}")
+KEEP = 40  # calls each lane's driver keeps for a divergence's history
 
 
 @dataclass
 class Job:
     """A simulated copy job: it runs (copies) and reports at moments the soak chooses."""
 
-    plan: Plan  # the manager's
-    spec: Plan  # the spec's
+    plan: Plan  # the manager's (the driver holds the spec's twin)
     version: int
     fails_at: int | None  # the key at which the copy fails: the ones before it are copied
     stalled: bool
@@ -90,7 +80,9 @@ class Job:
 
 @dataclass
 class Lane:
-    """A manager and the spec in lockstep over a simulated pool of labelled slots."""
+    """A manager and the spec in lockstep (the driver) over a simulated pool of labelled
+    slots: the lane only chooses operations; ``Lockstep`` makes each on both and compares.
+    """
 
     name: str
     policy: str
@@ -99,8 +91,7 @@ class Lane:
     rng: random.Random
     store_threshold: int = 1
     make_manager: type[OffloadManager] = OffloadManager
-    manager: OffloadManager = field(init=False)
-    model: OffloadModel = field(init=False)
+    driver: Lockstep = field(init=False)
     slots: list[Label | None] = field(init=False)
     jobs: dict[int, Job] = field(default_factory=dict)  # plan id -> job, in flight
     stored: dict[Key, Label] = field(default_factory=dict)  # what a ready key's slot holds
@@ -109,19 +100,28 @@ class Lane:
 
     def __post_init__(self) -> None:
         threshold, tracked = self.store_threshold, 4 * self.num_keys
-        self.manager = self.make_manager(
+        manager = self.make_manager(
             self.num_blocks,
             self.policy,
             store_threshold=threshold,
             max_tracker_size=tracked,
             enable_events=True,
         )
-        self.model = OffloadModel(
+        model = OffloadModel(
             self.num_blocks,
             self.policy,
             store_threshold=threshold,
             max_tracker_size=tracked,
             enable_events=True,
+        )
+        self.driver = Lockstep(
+            manager,
+            model,
+            setting=f"lane {self.name}: {self.num_blocks} blocks, {self.policy}, "
+            f"store_threshold={threshold}, max_tracker_size={tracked}, events on",
+            watched=tuple(range(self.num_keys)),
+            label="manager",
+            keep=KEEP,
         )
         self.slots = [None] * self.num_blocks
 
@@ -133,52 +133,41 @@ class Lane:
         if len(self.jobs) >= 2 * self.num_blocks or roll < 0.45:
             self.advance()
         elif roll < 0.70:
-            self.store(rng.sample(range(self.num_keys), rng.randint(1, 3)))
+            self.prepare(PREPARE_STORE, rng.sample(range(self.num_keys), rng.randint(1, 3)))
         elif roll < 0.85:
-            ready = [key for key, block in self.model.state.blocks.items() if block.ready]
+            blocks = self.driver.model.state.blocks
+            ready = [key for key, block in blocks.items() if block.ready]
             if ready and rng.random() < 0.9:  # else keys at random: mostly refused
-                self.load([rng.choice(ready) for _ in range(rng.randint(1, 3))])
+                self.prepare(PREPARE_LOAD, [rng.choice(ready) for _ in range(rng.randint(1, 3))])
             else:
-                self.load([rng.randrange(self.num_keys) for _ in range(rng.randint(1, 3))])
+                keys = [rng.randrange(self.num_keys) for _ in range(rng.randint(1, 3))]
+                self.prepare(PREPARE_LOAD, keys)
         elif roll < 0.93:
             keys = [rng.randrange(self.num_keys) for _ in range(rng.randint(0, 3))]
-            self.manager.touch(keys)
-            self.model.touch(keys)
+            self.driver.apply(Operation(TOUCH, tuple(keys)))
         elif roll < 0.99:
-            key = rng.randrange(self.num_keys)
-            same(f"lookup({key})", self.manager.lookup(key), self.model.lookup(key))
+            self.driver.apply(Operation(LOOKUP, (rng.randrange(self.num_keys),)))
         elif roll < 0.9995:
             self.unstall_or_abandon()
         else:
             self.reset()
-        same("take_events()", self.manager.take_events(), self.model.take_events())
 
-    def store(self, keys: list[int]) -> None:
-        got = attempt(lambda: self.manager.prepare_store(keys))
-        expected = attempt(lambda: self.model.prepare_store(keys))
-        same(f"prepare_store({keys})", got, expected)
-        if isinstance(got, StorePlan) and isinstance(expected, StorePlan):
-            self.open(got, expected)
-            self.counts["stores"] += 1
+    def prepare(self, name: str, keys: Sequence[Key]) -> None:
+        """A store or a load: a plan opens a job; a refusal (None, or an error) does not."""
+        got, _ = self.driver.apply(Operation(name, tuple(keys)))
+        kind = "stores" if name == PREPARE_STORE else "loads"
+        if isinstance(got, (StorePlan, LoadPlan)):
+            self.open(got)
+            self.counts[kind] += 1
         else:
-            self.counts["stores refused"] += 1
+            self.counts[f"{kind} refused"] += 1
 
-    def load(self, keys: Sequence[Key]) -> None:
-        got = attempt(lambda: self.manager.prepare_load(keys))
-        expected = attempt(lambda: self.model.prepare_load(keys))
-        same(f"prepare_load({keys})", got, expected)
-        if isinstance(got, LoadPlan) and isinstance(expected, LoadPlan):
-            self.open(got, expected)
-            self.counts["loads"] += 1
-        else:
-            self.counts["loads refused"] += 1
-
-    def open(self, plan: Plan, spec: Plan) -> None:
+    def open(self, plan: Plan) -> None:
         rng = self.rng
         self.version += 1
         fails_at = rng.randrange(len(plan.keys)) if plan.keys and rng.random() < FAIL else None
         stalled = rng.random() < STALL
-        self.jobs[plan.plan_id] = Job(plan, spec, self.version, fails_at, stalled)
+        self.jobs[plan.plan_id] = Job(plan, self.version, fails_at, stalled)
         self.counts["stalled jobs"] += stalled
 
     def advance(self) -> None:
@@ -203,28 +192,23 @@ class Lane:
             if isinstance(job.plan, StorePlan):
                 self.slots[slot] = (key, job.version)
             elif not job.abandoned and self.slots[slot] != self.stored.get(key):
-                raise Divergence(
+                raise self.driver.failure(
                     f"a load of {key!r} read slot {slot} = {self.slots[slot]}, "
                     f"stored {self.stored.get(key)}"
                 )
 
     def report(self, job: Job) -> None:
-        """The data path reports the job; both sides complete its plan."""
+        """The data path reports the job; the driver completes its plan on both sides."""
         del self.jobs[job.plan.plan_id]
-        if isinstance(job.plan, StorePlan) and isinstance(job.spec, StorePlan):
-            store, spec = job.plan, job.spec
-            got = attempt(lambda: self.manager.complete_store(store, job.ok))
-            expected = attempt(lambda: self.model.complete_store(spec, job.ok))
-            same(f"complete_store({store}, {job.ok})", got, expected)
-            if job.ok and not job.abandoned and store.generation == self.model.state.generation:
-                for key in store.keys:
+        plan, driver = job.plan, self.driver
+        if isinstance(plan, StorePlan):
+            driver.apply(Operation(COMPLETE_STORE, plan=driver.index(plan), success=job.ok))
+            current = plan.generation == driver.model.state.generation
+            if job.ok and not job.abandoned and current:
+                for key in plan.keys:
                     self.stored[key] = (key, job.version)
-        elif isinstance(job.plan, LoadPlan) and isinstance(job.spec, LoadPlan):
-            load, spec_load = job.plan, job.spec
-            got = attempt(lambda: self.manager.complete_load(load))
-            same(
-                f"complete_load({load})", got, attempt(lambda: self.model.complete_load(spec_load))
-            )
+        else:
+            driver.apply(Operation(COMPLETE_LOAD, plan=driver.index(plan)))
         self.counts["abandoned, reported late" if job.abandoned else "reported"] += 1
         self.counts["failed copies"] += not job.ok
 
@@ -239,8 +223,7 @@ class Lane:
             self.abandon(job)
 
     def abandon(self, job: Job) -> None:
-        got = attempt(lambda: self.manager.abandon(job.plan))
-        same(f"abandon({job.plan})", got, attempt(lambda: self.model.abandon(job.spec)))
+        self.driver.apply(Operation(ABANDON, plan=self.driver.index(job.plan)))
         job.abandoned = True
         self.counts["abandoned"] += 1
 
@@ -257,42 +240,27 @@ class Lane:
             if not job.ran:
                 self.run(job)
             self.report(job)
-        self.manager.reset_cache()
-        self.model.reset_cache()
+        self.driver.apply(Operation(RESET))
         self.counts["resets"] += 1
 
     # -- at sampled points -----------------------------------------------------------------
 
     def check(self) -> None:
-        """Invariants of both sides, their whole observable state, and every ready slot."""
-        manager, model = self.manager, self.model
-        for side in (manager, model):
-            try:
-                side.check_invariants()
-            except AssertionError as violation:
-                raise Divergence(f"{type(side).__name__}: {violation}") from None
-        for key in range(self.num_keys):
-            same(f"lookup({key})", manager.lookup(key), model.lookup(key))
-            block = model.state.blocks.get(key)
-            if (
-                block is not None
-                and block.ready
-                and self.slots[block.block_id] != self.stored.get(key)
-            ):
-                raise Divergence(
+        """Everything the driver compares (invariants of both sides, every key's lookup,
+        the counters, events, stats and the whole abstract state), and every ready slot."""
+        self.driver.check()
+        for key, block in self.driver.model.state.blocks.items():
+            if block.ready and self.slots[block.block_id] != self.stored.get(key):
+                raise self.driver.failure(
                     f"slot {block.block_id} of ready {key!r} holds {self.slots[block.block_id]}"
                 )
-        views = ("num_free_blocks", "num_evictable_blocks", "num_quarantined_blocks")
-        for view in views:
-            same(view, getattr(manager, view), getattr(model, view))
-        stats = manager.stats()
-        same("stats() resident", stats.resident, len(model.state.blocks))
         self.counts["checks"] += 1
 
 
 class OffloaderLane:
-    """The real ``Offloader`` over KV tensors (jobs fail half-way now and then), mirrored
-    in the spec; a load's bytes must be those its key was stored with.
+    """The real ``Offloader`` over KV tensors (jobs fail half-way now and then): the driver
+    follows each manager call the offloader made on the spec; a load's bytes must be those
+    its key was stored with.
     """
 
     def __init__(self, rng: random.Random, num_blocks: int = 6, num_keys: int = 16) -> None:
@@ -309,9 +277,18 @@ class OffloaderLane:
             self.tensors, block_dim=1, num_cpu_blocks=num_blocks, policy="arc"
         )
         self.offloader.engine.fault_hook = self.faults
-        self.model = OffloadModel(num_blocks, "arc")
+        manager = self.offloader.manager
+        assert isinstance(manager, OffloadManager)
+        self.driver = Lockstep(
+            manager,
+            OffloadModel(num_blocks, "arc"),
+            setting=f"the offloader lane: {num_blocks} blocks, arc",
+            watched=tuple(range(num_keys)),
+            label="offloader's manager",
+            keep=KEEP,
+        )
         self.armed = False  # the next job's copy fails half-way (jobs run inside submit)
-        self.plans: dict[int, tuple[Plan, list[int], list[bytes]]] = {}  # plan id -> spec's
+        self.plans: dict[int, tuple[list[int], list[bytes]]] = {}  # plan id -> blocks, bytes
         self.stored: dict[Key, bytes] = {}
         self.counts: Counter[str] = Counter()
 
@@ -323,8 +300,8 @@ class OffloaderLane:
     def step(self) -> None:
         rng = self.rng
         roll = rng.random()
-        offloader = self.offloader
-        busy = {block for _, blocks, _ in self.plans.values() for block in blocks}
+        offloader, driver = self.offloader, self.driver
+        busy = {block for blocks, _ in self.plans.values() for block in blocks}
         idle = [block for block in range(8) if block not in busy]
         keys = rng.sample(range(self.num_keys), rng.randint(1, 2))
         if roll < 0.5 or len(idle) < 2:
@@ -337,26 +314,25 @@ class OffloaderLane:
             self.armed = rng.random() < FAIL
             plan = offloader.store(keys, blocks)
             self.armed = False
-            same(f"store({keys})", plan, spec := self.model.prepare_store(keys))
-            if plan is not None and spec is not None:
+            driver.follow(Operation(PREPARE_STORE, tuple(keys)), plan)
+            if plan is not None:
                 given: dict[Key, bytes] = dict(zip(keys, contents, strict=True))
-                self.plans[plan.plan_id] = (spec, blocks, [given[key] for key in plan.keys])
+                self.plans[plan.plan_id] = (blocks, [given[key] for key in plan.keys])
         elif roll < 0.95:
-            keys = [key for key in keys if self.model.lookup(key) is Lookup.HIT]
+            keys = [key for key in keys if driver.model.lookup(key) is Lookup.HIT]
             if keys:
                 self.armed = rng.random() < FAIL
                 load = offloader.load(keys, idle[: len(keys)])
                 self.armed = False
-                spec_load = self.model.prepare_load(keys)
-                same(f"load({keys})", load, spec_load)
+                driver.follow(Operation(PREPARE_LOAD, tuple(keys)), load)
                 expected = [self.stored[key] for key in keys]
-                self.plans[load.plan_id] = (spec_load, idle[: len(keys)], expected)
+                self.plans[load.plan_id] = (idle[: len(keys)], expected)
         elif roll < 0.999:
             offloader.touch(keys)
-            self.model.touch(keys)
+            driver.follow(Operation(TOUCH, tuple(keys)), None)
         else:
             self.complete(offloader.reset())
-            self.model.reset_cache()
+            driver.follow(Operation(RESET), None)
             self.counts["resets"] += 1
 
     def write(self, block: int, data: bytes) -> None:
@@ -371,32 +347,30 @@ class OffloaderLane:
         self.complete(self.offloader.poll())
 
     def complete(self, finished: Sequence[object]) -> None:
+        """The offloader completed these plans in its manager: the driver follows."""
         from kvoffload import Finished
 
+        driver = self.driver
         for done in finished:
             assert isinstance(done, Finished)
-            spec, blocks, contents = self.plans.pop(done.plan.plan_id)
-            if isinstance(spec, StorePlan):
-                self.model.complete_store(spec, done.ok)
-                if done.ok and spec.generation == self.model.state.generation:
-                    self.stored.update(zip(spec.keys, contents, strict=True))
+            plan = done.plan
+            blocks, contents = self.plans.pop(plan.plan_id)
+            if isinstance(plan, StorePlan):
+                operation = Operation(COMPLETE_STORE, plan=driver.index(plan), success=done.ok)
+                driver.follow(operation, None)
+                if done.ok and plan.generation == driver.model.state.generation:
+                    self.stored.update(zip(plan.keys, contents, strict=True))
                 self.counts["stores" if done.ok else "failed copies"] += 1
             else:
-                self.model.complete_load(spec)
+                driver.follow(Operation(COMPLETE_LOAD, plan=driver.index(plan)), None)
                 self.counts["loads" if done.ok else "failed copies"] += 1
                 for block, data in zip(blocks, contents, strict=True):
                     if done.ok and self.read(block) != data:
-                        raise Divergence(f"a load into device block {block} got other bytes")
+                        raise driver.failure(f"a load into device block {block} got other bytes")
 
     def check(self) -> None:
-        manager = self.offloader.manager
-        if not isinstance(manager, OffloadManager):
-            raise Divergence("the offloader lost its manager")
-        manager.check_invariants()
-        self.model.check_invariants()
-        for key in range(self.num_keys):
-            same(f"lookup({key})", manager.lookup(key), self.model.lookup(key))
-        same("in flight", self.offloader.num_in_flight, len(self.plans))
+        self.driver.check()
+        self.driver.same("num_in_flight", self.offloader.num_in_flight, len(self.plans))
         self.counts["checks"] += 1
 
 

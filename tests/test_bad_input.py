@@ -11,11 +11,10 @@ they were. docs/reliability.md lists every case by its label (a test keeps it co
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -47,9 +46,24 @@ from kvoffload_spec.errors import (
     PlanAlreadyCompletedError,
     UnknownPolicyError,
 )
-from kvoffload_spec.surface import LoadPlan, Lookup, PlanT, StorePlan
+from kvoffload_spec.lockstep import Divergence, Lockstep, StandIn
+from kvoffload_spec.operations import (
+    ABANDON,
+    AGAIN,
+    COMPLETE_LOAD,
+    COMPLETE_STORE,
+    KEYED,
+    LOOKUP,
+    PREPARE_LOAD,
+    PREPARE_STORE,
+    RESET,
+    TOUCH,
+    Operation,
+)
+from kvoffload_spec.refinement import abstract
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, PlanT, StorePlan
+from tests.helpers import every_field
 
-Plan = StorePlan | LoadPlan
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
 
 
@@ -57,16 +71,6 @@ class Call(NamedTuple):
     method: str
     args: tuple[object, ...]
     kwargs: dict[str, object]
-
-
-@dataclass(frozen=True)
-class Case:
-    """Garbage (a strategy of calls) and the one error class every such call must get."""
-
-    label: str
-    expected: type[OffloadError]
-    calls: st.SearchStrategy[Call]
-    spec_too: bool = True  # manager cases: the spec's model must refuse the call alike
 
 
 def call(method: str, *args: st.SearchStrategy[Any], **kwargs: st.SearchStrategy[Any]) -> Any:
@@ -174,44 +178,66 @@ def wrong_count(limit: int, count: int) -> st.SearchStrategy[list[int]]:
     return sizes.flatmap(lambda size: st.permutations(range(limit)).map(lambda ids: ids[:size]))
 
 
-# -- the manager and the spec, with plans in every state --------------------------------------
+# -- the manager and the spec, in lockstep, with plans in every state ------------------------
 
 
 class Ref(NamedTuple):
-    """A plan of the world by name; ``foreign`` takes the other side's (another owner)."""
+    """A plan of the offloader's world by name; ``foreign`` makes it another owner's."""
 
     name: str
     foreign: bool = False
     changes: tuple[tuple[str, object], ...] = ()  # fields forged into a copy
 
 
-Side = OffloadManager | OffloadModel
 READY, PENDING, ABSENT = ("a", "b"), ("p",), ("q", "s", "t", "u", "z")
 OPEN = ("open store", "open load", "stale store", "stale load")
 ABANDONED = ("abandoned store", "abandoned load")
 
 
-def history(side: Side) -> dict[str, Plan]:
-    """Plans in every state: stale (made before a reset), completed, open, abandoned."""
-    plans: dict[str, Plan] = {}
-    plans["stale store"] = must(side.prepare_store(["s"]))
-    stored = must(side.prepare_store(["t"]))
-    side.complete_store(stored)
-    plans["stale load"] = side.prepare_load(["t"])
-    stale = plans["stale completed"] = must(side.prepare_store(["u"]))
-    side.reset_cache()
-    side.complete_store(stale)  # a stale plan's first completion: a no-op
-    ready = plans["completed store"] = must(side.prepare_store(["a", "b"]))
-    side.complete_store(ready)
-    loaded = plans["completed load"] = side.prepare_load(["a", "a"])
-    side.complete_load(loaded)
-    plans["open store"] = must(side.prepare_store(["p"]))
-    plans["open load"] = side.prepare_load(["b"])
-    plans["abandoned store"] = must(side.prepare_store(["q"]))
-    plans["abandoned load"] = side.prepare_load(["a"])
-    side.abandon(plans["abandoned store"])
-    side.abandon(plans["abandoned load"])
-    return plans
+def world(
+    policy: str, manager: type[OffloadManager] = OffloadManager
+) -> tuple[Lockstep, dict[str, int]]:
+    """A manager and the spec in lockstep through a history that leaves plans in every
+    state: stale (made before a reset), completed, open, abandoned. Returns the driver and
+    each plan's index in its ``held + closed``, by name.
+    """
+    driver = Lockstep(
+        manager(8, policy),
+        OffloadModel(8, policy),
+        setting=f"8 blocks, {policy}",
+        watched=READY + PENDING + ABSENT,
+        label="manager",
+    )
+    named: dict[str, Plan] = {}
+
+    def prepare(name: str, keys: tuple[str, ...], label: str = "") -> None:
+        plan, _ = driver.step(Operation(name, keys))
+        assert isinstance(plan, (StorePlan, LoadPlan))
+        named[label or f"{len(named)}"] = plan
+
+    def on(name: str, label: str, **options: Any) -> None:
+        plans = [mine for mine, _ in driver.held]
+        driver.step(Operation(name, plan=plans.index(named[label]), **options))
+
+    prepare(PREPARE_STORE, ("s",), "stale store")
+    prepare(PREPARE_STORE, ("t",), "t")
+    on(COMPLETE_STORE, "t")
+    prepare(PREPARE_LOAD, ("t",), "stale load")
+    prepare(PREPARE_STORE, ("u",), "stale completed")
+    driver.step(Operation(RESET))
+    on(COMPLETE_STORE, "stale completed")  # a stale plan's first completion: a no-op
+    prepare(PREPARE_STORE, ("a", "b"), "completed store")
+    on(COMPLETE_STORE, "completed store")
+    prepare(PREPARE_LOAD, ("a", "a"), "completed load")
+    on(COMPLETE_LOAD, "completed load")
+    prepare(PREPARE_STORE, ("p",), "open store")
+    prepare(PREPARE_LOAD, ("b",), "open load")
+    prepare(PREPARE_STORE, ("q",), "abandoned store")
+    prepare(PREPARE_LOAD, ("a",), "abandoned load")
+    on(ABANDON, "abandoned store")
+    on(ABANDON, "abandoned load")
+    plans = [mine for mine, _ in driver.held + driver.closed]
+    return driver, {name: plans.index(plan) for name, plan in named.items()}
 
 
 def must(plan: PlanT | None) -> PlanT:
@@ -219,27 +245,40 @@ def must(plan: PlanT | None) -> PlanT:
     return plan
 
 
-def plan_refs(names: Sequence[str], **options: Any) -> st.SearchStrategy[Ref]:
-    return st.sampled_from(names).map(lambda name: Ref(name, **options))
+class Bad(NamedTuple):
+    """A bad call: an operation and, for one on a plan, the plan its ``StandIn`` names."""
+
+    operation: Operation
+    plan: str = ""
 
 
-def forged(names: Sequence[str]) -> st.SearchStrategy[Ref]:
-    """Copies of open plans with an id never issued, or other fields changed."""
+def keyed(name: str, arguments: st.SearchStrategy[object]) -> st.SearchStrategy[Bad]:
+    """``name`` called with a bad argument in place of its keys."""
+    return arguments.map(lambda argument: Bad(Operation(name, argument=argument)))
+
+
+def on_plans(name: str, names: Sequence[str], **options: Any) -> st.SearchStrategy[Bad]:
+    """``name`` called on one of the plans ``names`` (``foreign``: the other side's)."""
+    return st.sampled_from(names).map(
+        lambda plan: Bad(Operation(name, argument=StandIn(**options)), plan)
+    )
+
+
+def forged(name: str, names: Sequence[str]) -> st.SearchStrategy[Bad]:
+    """``name`` called on copies of plans with an id never issued, or other fields changed."""
     change = st.one_of(
         st.tuples(st.just("plan_id"), st.one_of(st.integers(max_value=-1), st.integers(1000))),
         st.tuples(st.just("generation"), st.integers(2, 9)),
         st.tuples(st.just("keys"), st.just(("x",))),
         st.tuples(st.just("block_ids"), st.just((7,))),
     )
-    return st.tuples(st.sampled_from(names), change).map(lambda x: Ref(x[0], changes=(x[1],)))
+    return st.tuples(st.sampled_from(names), change).map(
+        lambda x: Bad(Operation(name, argument=StandIn(changes=(x[1],))), x[0])
+    )
 
 
-def resolve(value: object, plans: dict[str, tuple[Plan, Plan]], side: int) -> object:
-    if not isinstance(value, Ref):
-        return value
-    plan = plans[value.name][1 - side if value.foreign else side]
-    changes: dict[str, Any] = dict(value.changes)
-    return dataclasses.replace(plan, **changes)
+def plan_refs(names: Sequence[str], **options: Any) -> st.SearchStrategy[Ref]:
+    return st.sampled_from(names).map(lambda name: Ref(name, **options))
 
 
 def loads_failing_on(bad: Sequence[str]) -> st.SearchStrategy[list[str]]:
@@ -249,95 +288,83 @@ def loads_failing_on(bad: Sequence[str]) -> st.SearchStrategy[list[str]]:
     return st.tuples(ready, st.sampled_from(bad), anything).map(lambda x: [*x[0], x[1], *x[2]])
 
 
-KEYED = ("prepare_store", "prepare_load", "touch")
-COMPLETES = (("complete_store", "store"), ("complete_load", "load"))
+def loads_of(keys: st.SearchStrategy[list[str]]) -> st.SearchStrategy[Bad]:
+    return keys.map(lambda chosen: Bad(Operation(PREPARE_LOAD, tuple(chosen))))
+
+
+def flagged(flags: st.SearchStrategy[object]) -> st.SearchStrategy[Bad]:
+    """``complete_store`` of an open store plan with ``success`` one of ``flags``."""
+    return st.tuples(st.sampled_from(OPEN_OF["store"]), flags).map(
+        lambda x: Bad(Operation(COMPLETE_STORE, argument=StandIn(), success=x[1]), x[0])  # type: ignore[arg-type]
+    )
+
+
+COMPLETES = ((COMPLETE_STORE, "store"), (COMPLETE_LOAD, "load"))
 OPEN_OF = {kind: [n for n in (*OPEN, *ABANDONED) if n.endswith(kind)] for kind in ("store", "load")}
+
+
+@dataclass(frozen=True)
+class Case:
+    """Garbage (a strategy of bad calls) and the one error class every such call must get."""
+
+    label: str
+    expected: type[OffloadError]
+    calls: st.SearchStrategy[Bad]
+
 
 MANAGER_CASES = [
     Case(
         "keys: not a list or tuple",
         InvalidArgumentError,
-        st.one_of(*(call(m, NOT_A_KEY_LIST) for m in KEYED)),
+        st.one_of(*(keyed(m, NOT_A_KEY_LIST) for m in KEYED)),
     ),
     Case(
         "keys: one is not hashable",
         InvalidArgumentError,
-        st.one_of(*(call(m, with_unhashable()) for m in KEYED), call("lookup", UNHASHABLE)),
+        st.one_of(*(keyed(m, with_unhashable()) for m in KEYED), keyed(LOOKUP, UNHASHABLE)),
     ),
-    Case(
-        "load: a key is absent", BlockNotFoundError, call("prepare_load", loads_failing_on(ABSENT))
-    ),
-    Case(
-        "load: a key is pending", BlockPendingError, call("prepare_load", loads_failing_on(PENDING))
-    ),
+    Case("load: a key is absent", BlockNotFoundError, loads_of(loads_failing_on(ABSENT))),
+    Case("load: a key is pending", BlockPendingError, loads_of(loads_failing_on(PENDING))),
     Case(
         "plan: completed already",
         PlanAlreadyCompletedError,
         st.one_of(
-            call("complete_store", plan_refs(["completed store", "stale completed"])),
-            call("complete_load", plan_refs(["completed load"])),
-            call("abandon", plan_refs(["completed store", "completed load", "stale completed"])),
+            on_plans(COMPLETE_STORE, ["completed store", "stale completed"]),
+            on_plans(COMPLETE_LOAD, ["completed load"]),
+            on_plans(ABANDON, ["completed store", "completed load", "stale completed"]),
         ),
     ),
-    Case(
-        "plan: abandoned already",
-        PlanAlreadyAbandonedError,
-        call("abandon", plan_refs(ABANDONED)),
-    ),
+    Case("plan: abandoned already", PlanAlreadyAbandonedError, on_plans(ABANDON, ABANDONED)),
     Case(
         "plan: another manager's",
         ForeignPlanError,
         st.one_of(
-            *(call(m, plan_refs(OPEN_OF[kind], foreign=True)) for m, kind in COMPLETES),
-            call("abandon", plan_refs((*OPEN, *ABANDONED), foreign=True)),
+            *(on_plans(m, OPEN_OF[kind], foreign=True) for m, kind in COMPLETES),
+            on_plans(ABANDON, (*OPEN, *ABANDONED), foreign=True),
         ),
     ),
     Case(
         "plan: of the other kind",
         ForeignPlanError,
         st.one_of(
-            call("complete_store", plan_refs(OPEN_OF["load"])),
-            call("complete_load", plan_refs(OPEN_OF["store"])),
+            on_plans(COMPLETE_STORE, OPEN_OF["load"]), on_plans(COMPLETE_LOAD, OPEN_OF["store"])
         ),
     ),
     Case(
         "plan: forged or altered",
         ForeignPlanError,
         st.one_of(
-            *(call(m, forged(OPEN_OF[kind])) for m, kind in COMPLETES),
-            call("abandon", forged((*OPEN, *ABANDONED))),
+            *(forged(m, OPEN_OF[kind]) for m, kind in COMPLETES),
+            forged(ABANDON, (*OPEN, *ABANDONED)),
         ),
     ),
     Case(
         "plan: not a plan at all",
         ForeignPlanError,
-        st.one_of(call("complete_store", JUNK), call("complete_load", JUNK), call("abandon", JUNK)),
+        st.one_of(*(keyed(m, JUNK) for m in (COMPLETE_STORE, COMPLETE_LOAD, ABANDON))),
     ),
-    Case(
-        "success: not a bool",
-        InvalidArgumentError,
-        call("complete_store", plan_refs(OPEN_OF["store"]), BAD_FLAG),
-    ),
-    Case(
-        "seconds: not a finite number > 0",
-        InvalidArgumentError,
-        call("stalled_plans", BAD_SECONDS),
-        spec_too=False,
-    ),
+    Case("success: not a bool", InvalidArgumentError, flagged(BAD_FLAG)),
 ]
-
-
-def fingerprint(side: object) -> str:
-    """Every field of a manager (and of its policy), or the spec's whole state, as text."""
-    if isinstance(side, OffloadModel):
-        return side.state.snapshot()
-    fields = []
-    for cls in type(side).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            value = getattr(side, name)
-            shown = fingerprint(value) if isinstance(value, EvictionPolicy) else repr(value)
-            fields.append(f"{name}={shown}")
-    return "; ".join(fields)
 
 
 def invoke(target: object, made: Call, resolve_value: Callable[[object], object]) -> None:
@@ -360,32 +387,63 @@ def refused(
 def test_the_manager_and_the_spec_refuse_garbage_alike(
     data: st.DataObject, case: Case, policy: str
 ) -> None:
-    made = data.draw(case.calls, label="call")
-    sides: tuple[Side, Side] = (OffloadManager(8, policy), OffloadModel(8, policy))
-    histories = [history(side) for side in sides]
-    plans = {name: (histories[0][name], histories[1][name]) for name in histories[0]}
-    for index, side in enumerate(sides[: 2 if case.spec_too else 1]):
-        before = fingerprint(side)
-        refused(
-            case.expected, invoke, side, made, functools.partial(resolve, plans=plans, side=index)
-        )
-        assert fingerprint(side) == before, f"{made} changed {type(side).__name__}"
-        side.check_invariants()
+    """The driver makes the call on both; both must raise ``case.expected`` and change
+    nothing (``Lockstep.refuse``), and then agree in everything (``Lockstep.check``)."""
+    driver, index = world(policy)
+    bad = data.draw(case.calls, label="call")
+    operation = bad.operation
+    if bad.plan:
+        operation = dataclasses.replace(operation, plan=index[bad.plan])
+    error = driver.refuse(operation)
+    assert type(error) is case.expected, f"{error!r} instead of {case.expected.__name__}"
+    driver.check()
+
+
+@given(seconds=BAD_SECONDS, policy=st.sampled_from(["lru", "arc"]))
+def test_the_manager_refuses_a_bad_age_of_stalled_plans_alike(seconds: object, policy: str) -> None:
+    """``stalled_plans`` is the manager's own (the spec has no clock): refused, and then the
+    manager still agrees with the spec in everything, its stats unchanged."""
+    driver, _ = world(policy)
+    manager = driver.system
+    assert isinstance(manager, OffloadManager)
+    before = manager.stats()
+    refused(InvalidArgumentError, manager.stalled_plans, seconds)
+    assert manager.stats() == before
+    driver.check()
+
+
+class RefusedTouchStillTouches(OffloadManager):
+    """A planted bug: touches the keys before the first unhashable one, then refuses."""
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        if isinstance(keys, list):
+            super().touch(list(itertools.takewhile(lambda key: isinstance(key, Hashable), keys)))
+        super().touch(keys)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_refused_call_that_changes_the_order_is_caught(policy: str) -> None:
+    """What a walk over the manager's fields missed (a policy has no slots to walk): the
+    driver compares the abstraction, the policy's order included."""
+    driver, _ = world(policy, RefusedTouchStillTouches)
+    with pytest.raises(Divergence, match="the refused call changed the manager's abstract"):
+        driver.refuse(Operation(TOUCH, argument=["a", []]))
 
 
 def test_a_stale_plan_is_completed_once_and_changes_nothing() -> None:
     """Not an error: the first completion of a plan made before a reset is accepted and
     changes nothing (the ABA guard); only the second is refused.
     """
-    for side in (OffloadManager(2), OffloadModel(2)):
-        stale = must(side.prepare_store(["k"]))
-        side.reset_cache()
-        again = must(side.prepare_store(["k"]))  # the same key, stored anew
-        side.complete_store(stale)
-        assert side.lookup("k") is Lookup.PENDING and side.num_free_blocks == 1
-        refused(PlanAlreadyCompletedError, side.complete_store, stale)
-        side.complete_store(again)
-        assert side.lookup("k") is Lookup.HIT
+    driver = Lockstep(OffloadManager(2), OffloadModel(2), watched=("k",), label="manager")
+    driver.step(Operation(PREPARE_STORE, ("k",)))
+    driver.step(Operation(RESET))
+    driver.step(Operation(PREPARE_STORE, ("k",)))  # the same key, stored anew
+    driver.step(Operation(COMPLETE_STORE, plan=0))  # the stale one
+    assert driver.system.lookup("k") is Lookup.PENDING and driver.system.num_free_blocks == 1
+    again = driver.refuse(Operation(COMPLETE_STORE, plan=1, misuse=AGAIN))
+    assert type(again) is PlanAlreadyCompletedError
+    driver.step(Operation(COMPLETE_STORE, plan=0))
+    assert driver.system.lookup("k") is Lookup.HIT
 
 
 # -- the Offloader -------------------------------------------------------------------------
@@ -425,7 +483,8 @@ class OffloaderWorld:
         offloader = self.offloader
         engine = offloader.engine
         return (
-            fingerprint(offloader.manager),
+            every_field(offloader.manager),
+            repr(abstract(offloader.manager)),  # the policy's order too (it has no slots)
             dict(offloader._plans),
             dict(offloader._job_of),
             set(offloader._abandoned),

@@ -31,8 +31,8 @@ from kvoffload.transfer.jobs import FaultHook, Job, JobResult
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import PlanAlreadyCompletedError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from tests.helpers import every_field
 from tests.planted import FAULTS, ManagerBug, Planted, share
-from tests.test_bad_input import fingerprint
 from tests.test_layout import make_cache, reference_block
 
 HOLD = 60.0  # seconds a stalled job waits at most, so a broken test cannot hang forever
@@ -598,10 +598,10 @@ class FaultyOffloader(RuleBasedStateMachine):
         if now:  # resets are rare: a reset every few steps would hide longer histories
             return
         if any(flight.held and not flight.abandoned for flight in self.flights.values()):
-            before = (self.rig.offloader.num_in_flight, fingerprint(self.rig.manager))
+            before = (self.rig.offloader.num_in_flight, every_field(self.rig.manager))
             with pytest.raises(TransferTimeoutError):
                 self.rig.offloader.reset(timeout=0.01)
-            assert (self.rig.offloader.num_in_flight, fingerprint(self.rig.manager)) == before
+            assert (self.rig.offloader.num_in_flight, every_field(self.rig.manager)) == before
             return
         self.complete(self.rig.offloader.reset(timeout=HOLD))
         self.model.reset_cache()

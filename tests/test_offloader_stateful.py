@@ -1,8 +1,11 @@
 """End to end against the spec: the Offloader with real tensors, mirrored in OffloadModel.
 
 Random interleavings of store, load, poll, touch, reset and injected copy failures drive an
-``Offloader`` over a real KV cache. Every manager call is mirrored in the spec's
-``OffloadModel`` (same plans, same errors), and after every poll each device block that
+``Offloader`` over a real KV cache. The lockstep driver follows every manager call the
+offloader makes on the spec's ``OffloadModel`` (same plans, same errors) and after every
+step compares the offloader's manager with it in everything (``Lockstep.check``: the
+invariants, lookups, counters, stats and the whole abstract state, the eviction order
+included, so a wrong touch shows before it evicts a block); after every poll each device block that
 no job is using must hold exactly what the test expects: the bytes its last completed
 load read from the CPU pool (the bytes stored for that key, by the store that made it
 readable), or what the test itself wrote there. Block contents derive from (key, store
@@ -29,11 +32,19 @@ from hypothesis.stateful import (
 
 from kvoffload import Finished, Offloader
 from kvoffload.manager import OffloadManager
-from kvoffload.policies.arc import ArcPolicy
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotReadyError
-from kvoffload_spec.policies import ArcOrder
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from kvoffload_spec.lockstep import Lockstep
+from kvoffload_spec.operations import (
+    COMPLETE_LOAD,
+    COMPLETE_STORE,
+    PREPARE_LOAD,
+    PREPARE_STORE,
+    RESET,
+    TOUCH,
+    Operation,
+)
+from kvoffload_spec.surface import Key, Lookup, Plan, StorePlan
 from tests.test_layout import CUDA, DTYPES, KINDS, make_cache, reference_block
 
 pytestmark = pytest.mark.slow  # an end-to-end machine over real tensors
@@ -60,7 +71,7 @@ class Injector:
 
 @dataclass
 class InFlight:
-    model_plan: StorePlan | LoadPlan
+    plan: Plan  # the offloader's
     device_blocks: list[int]  # read (store) or written (load) by the job
     fails: bool
     contents: list[torch.Tensor]  # store: what each key's blocks held; load: what must land
@@ -94,7 +105,15 @@ class OffloaderMachine(RuleBasedStateMachine):
         )
         self.injector = Injector()
         self.offloader.engine.fault_hook = self.injector
-        self.model = OffloadModel(cpu_blocks, policy)
+        manager = self.offloader.manager
+        assert isinstance(manager, OffloadManager)
+        self.driver = Lockstep(
+            manager,
+            OffloadModel(cpu_blocks, policy),
+            setting=f"{cpu_blocks} CPU blocks, {policy}, block_size_factor={factor}",
+            watched=tuple(KEYS),
+            label="offloader's manager",
+        )
         block_bytes = self.offloader.engine.layout.bytes_per_block
         generator = torch.Generator().manual_seed(cpu_blocks * 7 + factor)
         self.noise = torch.randint(0, 256, (block_bytes,), dtype=torch.int32, generator=generator)
@@ -125,11 +144,8 @@ class OffloaderMachine(RuleBasedStateMachine):
         free = [b for b in order if b not in self.busy]
         return free[:count] if len(free) >= count else None
 
-    def check_plan(self, plan: StorePlan | LoadPlan | None, model_plan: object) -> None:
-        assert plan == model_plan, f"offloader planned {plan}, the spec {model_plan}"
-
     def ready_keys(self) -> list[int]:
-        return [k for k in KEYS if self.model.lookup(k) is Lookup.HIT]
+        return [k for k in KEYS if self.driver.model.lookup(k) is Lookup.HIT]
 
     # -- rules -----------------------------------------------------------------------------
 
@@ -147,17 +163,15 @@ class OffloaderMachine(RuleBasedStateMachine):
         fired_before = len(self.injector.failed)
         plan = self.offloader.store(keys, blocks)
         self.injector.armed = None
-        model_plan = self.model.prepare_store(keys)
-        self.check_plan(plan, model_plan)
+        self.driver.follow(Operation(PREPARE_STORE, tuple(keys)), plan)
         event(f"store: {'no room' if plan is None else f'{len(plan.keys)} keys'}")
         if plan is None:
             return
-        assert model_plan is not None
         self.busy.update(blocks)
         fails = len(self.injector.failed) > fired_before
         first: dict[Key, int] = {key: i for i, key in reversed(list(enumerate(keys)))}
         kept = [contents[first[key] * k + j] for key in plan.keys for j in range(k)]
-        self.in_flight[plan.plan_id] = InFlight(model_plan, blocks, fails, kept)
+        self.in_flight[plan.plan_id] = InFlight(plan, blocks, fails, kept)
         if poll:
             self.complete(self.offloader.poll())
 
@@ -173,31 +187,28 @@ class OffloaderMachine(RuleBasedStateMachine):
         fired_before = len(self.injector.failed)
         plan = self.offloader.load(keys, blocks)
         self.injector.armed = None
-        model_plan = self.model.prepare_load(keys)
-        self.check_plan(plan, model_plan)
+        self.driver.follow(Operation(PREPARE_LOAD, tuple(keys)), plan)
         self.busy.update(blocks)
         fails = len(self.injector.failed) > fired_before
         landing = [self.stored[key][j] for key in keys for j in range(k)]
-        self.in_flight[plan.plan_id] = InFlight(model_plan, blocks, fails, landing)
+        self.in_flight[plan.plan_id] = InFlight(plan, blocks, fails, landing)
         if poll:
             self.complete(self.offloader.poll())
 
     @rule(key=st.sampled_from(KEYS))
     def load_a_key_that_is_not_ready(self, key: int) -> None:
-        found = self.model.lookup(key)
-        if found is Lookup.HIT:
+        """Refused alike (the driver compares the error classes), and nothing changes:
+        the spec refuses without a change, and the invariant compares the whole state."""
+        if self.driver.model.lookup(key) is Lookup.HIT:
             return
-        before = repr(self.offloader.manager)
         with pytest.raises(BlockNotReadyError) as raised:
             self.offloader.load([key], list(range(self.factor)))
-        with pytest.raises(type(raised.value)):
-            self.model.prepare_load([key])
-        assert repr(self.offloader.manager) == before
+        self.driver.follow(Operation(PREPARE_LOAD, (key,)), raised.value)
 
     @rule(keys=keys_lists)
     def touch(self, keys: list[int]) -> None:
         self.offloader.touch(keys)
-        self.model.touch(keys)
+        self.driver.follow(Operation(TOUCH, tuple(keys)), None)
 
     @precondition(lambda self: len(self.ready_keys()) >= 2)
     @rule(data=st.data())
@@ -212,7 +223,7 @@ class OffloaderMachine(RuleBasedStateMachine):
         # Waiting first makes the finished set independent of timing on CUDA; on the CPU
         # every job finished inside its submit call.
         waiting = data.draw(st.sets(st.sampled_from(sorted(self.in_flight) or [-1])))
-        plans = [self.in_flight[p].model_plan for p in waiting if p in self.in_flight]
+        plans = [self.in_flight[p].plan for p in waiting if p in self.in_flight]
         self.offloader.wait(plans)
         self.complete(self.offloader.poll())
 
@@ -222,27 +233,30 @@ class OffloaderMachine(RuleBasedStateMachine):
             return
         self.complete(self.offloader.reset())
         assert not self.in_flight and not self.busy
-        self.model.reset_cache()
+        self.driver.follow(Operation(RESET), None)
         self.stored.clear()
 
     def complete(self, finished: list[Finished]) -> None:
+        """The offloader completed these plans in its manager: the driver follows."""
+        driver = self.driver
         for done in finished:
             flight = self.in_flight.pop(done.plan.plan_id)
             assert done.ok != flight.fails, f"{done.result} but the test expected otherwise"
             event(f"{type(done.plan).__name__} {'ok' if done.ok else 'failed'}")
             self.busy.difference_update(flight.device_blocks)
-            plan = flight.model_plan
+            plan = flight.plan
             if isinstance(plan, StorePlan):
-                self.model.complete_store(plan, success=done.ok)
-                if done.ok and plan.generation == self.model.state.generation:
+                operation = Operation(COMPLETE_STORE, plan=driver.index(plan), success=done.ok)
+                driver.follow(operation, None)
+                if done.ok and plan.generation == driver.model.state.generation:
                     k = self.factor
                     for i, key in enumerate(plan.keys):
                         self.stored[key] = flight.contents[i * k : (i + 1) * k]
             else:
-                self.model.complete_load(plan)
+                driver.follow(Operation(COMPLETE_LOAD, plan=driver.index(plan)), None)
                 for block, data in zip(flight.device_blocks, flight.contents, strict=True):
                     self.expected[block] = data if done.ok else torch.empty(0)
-        self.stored = {k: v for k, v in self.stored.items() if self.model.lookup(k) is Lookup.HIT}
+        self.stored = {k: v for k, v in self.stored.items() if driver.model.lookup(k) is Lookup.HIT}
         self.check_device_blocks()
 
     def check_device_blocks(self) -> None:
@@ -256,24 +270,8 @@ class OffloaderMachine(RuleBasedStateMachine):
 
     @invariant()
     def manager_agrees_with_the_spec(self) -> None:
-        manager = self.offloader.manager
-        assert isinstance(manager, OffloadManager)
-        manager.check_invariants()
-        assert manager.num_free_blocks == self.model.num_free_blocks
-        assert manager.num_evictable_blocks == self.model.num_evictable_blocks
-        assert [manager.lookup(k) for k in KEYS] == [self.model.lookup(k) for k in KEYS]
-        assert self.offloader.num_in_flight == len(self.in_flight)
-        # The eviction order, at once: a wrong touch shows here before it evicts a block.
-        order = self.model.state.order
-        assert manager.policy.resident() == order.resident()
-        if isinstance(manager.policy, ArcPolicy) and isinstance(order, ArcOrder):
-            assert (*manager.policy.lists(), manager.policy.p) == (
-                order.t1,
-                order.t2,
-                order.b1,
-                order.b2,
-                order.p,
-            )
+        self.driver.check()
+        self.driver.same("num_in_flight", self.offloader.num_in_flight, len(self.in_flight))
 
     def teardown(self) -> None:
         if hasattr(self, "offloader"):

@@ -76,4 +76,5 @@ def test_the_soak_finds_its_share_of_the_catalogue(bug: Planted) -> None:
         20_000, seed=1, check_every=500, manager=bug.subject.broken, with_offloader=False
     )
     assert report["divergences"] == 1 and report["operations"] < 20_000, report
-    assert "the manager gave" in str(report["divergence"])  # it names both answers
+    divergence = str(report["divergence"])  # the history, ending in both answers
+    assert "the manager:" in divergence and "the spec:" in divergence, divergence

@@ -21,23 +21,26 @@ mutant hunts and the CrossHair contracts all drive systems through this class.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvoffload_spec.errors import OffloadError
 from kvoffload_spec.model import OffloadModel
 from kvoffload_spec.operations import (
+    _NO_ARGUMENT,
     ABANDON,
     COMPLETE_LOAD,
     COMPLETE_STORE,
+    ON_PLANS,
     PREPARE_LOAD,
     PREPARE_STORE,
     Operation,
     perform,
 )
 from kvoffload_spec.policies import LruOrder
-from kvoffload_spec.refinement import abstract, state_differences
+from kvoffload_spec.refinement import abstract, copy_state, state_differences
 from kvoffload_spec.surface import Key, LoadPlan, ManagerSurface, Plan, StorePlan
 
 _T = TypeVar("_T")
@@ -85,7 +88,8 @@ class Lockstep:
     were issued, ``closed`` the completed ones; an operation's ``plan`` indexes ``held``
     (for a misuse, ``held + closed``).
     ``setting`` describes the configuration in the failure's first line; ``watched`` are
-    the keys whose lookups :meth:`check` compares.
+    the keys whose lookups :meth:`check` compares. ``keep`` bounds the record for a long
+    run: only the last ``keep`` calls (and completed plans) are kept, numbered as made.
     """
 
     system: ManagerSurface
@@ -98,6 +102,8 @@ class Lockstep:
     closed: list[tuple[Plan, Plan]] = field(default_factory=list)
     history: list[tuple[str, object]] = field(default_factory=list)
     plan_names: dict[int, str] = field(default_factory=dict)  # id() of a system's plan
+    keep: int | None = None
+    forgotten: int = 0  # calls dropped from the front of ``history`` (see ``keep``)
 
     def __post_init__(self) -> None:
         if self.dictated:
@@ -108,15 +114,70 @@ class Lockstep:
     def apply(self, op: Operation) -> tuple[object, object]:
         """Make ``op`` on the system, then on the model; both must return equal results or
         raise errors of one class. Returns (the system's result, the model's)."""
+        stand_in = op.name in ON_PLANS and op.argument is not _NO_ARGUMENT
+        if stand_in:  # the plan argument replaced: each side gets its own (see StandIn)
+            mine, spec, plan_name = self._stand_ins(op)
+            op = Operation(op.name, plan=op.plan, success=op.success)
+        else:
+            mine, spec = self._plans_of(op)
+            plan_name = self.name(mine) if mine is not None else ""
+        got, expected = self._both(
+            op.describe(plan_name),
+            lambda: perform(self.system, op, mine, spec),
+            lambda: perform(self.model, op, spec, mine),
+            between=self._dictate if op.name == PREPARE_STORE and not op.misuse else None,
+        )
+        if not stand_in:
+            self._account(op, got, expected)
+        return got, expected
+
+    def follow(self, op: Operation, got: object) -> tuple[object, object]:
+        """The system made ``op`` already (a facade over it did, say an ``Offloader``) and
+        it gave ``got`` (its result, or the ``OffloadError`` it raised): make ``op`` on the
+        model alone and compare, record and account as :meth:`apply` does."""
         mine, spec = self._plans_of(op)
         got, expected = self._both(
             op.describe(self.name(mine) if mine is not None else ""),
-            lambda: perform(self.system, op, mine, spec),
+            lambda: got,
             lambda: perform(self.model, op, spec, mine),
             between=self._dictate if op.name == PREPARE_STORE and not op.misuse else None,
         )
         self._account(op, got, expected)
         return got, expected
+
+    def index(self, plan: Plan) -> int:
+        """Where the system's ``plan`` is in ``held`` (what an operation on it names)."""
+        for number, (mine, _) in enumerate(self.held):
+            if mine is plan:
+                return number
+        raise self.failure(f"{self.name(plan)} is not open")
+
+    def refuse(self, op: Operation) -> OffloadError:
+        """:meth:`apply` ``op``, which both sides must refuse with one error class and no
+        change: neither side's abstract state (the model's state, the system's abstraction)
+        nor the system's ``stats()`` may differ from before. Returns the system's error.
+        """
+        model_before, mine_before = copy_state(self.model.state), abstract(self.system)
+        stats_before = _stats_of(self.system)
+        got, _ = self.apply(op)
+        if not isinstance(got, OffloadError):
+            raise self.failure("both accepted a call that must be refused")
+        for side, before, after in (
+            ("the spec's state", model_before, self.model.state),
+            (f"the {self.label}'s abstract state", mine_before, abstract(self.system)),
+        ):
+            changed = [] if before is None or after is None else state_differences(after, before)
+            if changed:
+                raise self.failure(
+                    f"the refused call changed {side} (now, before):\n     "
+                    + "\n     ".join(changed)
+                )
+        if _stats_of(self.system) != stats_before:
+            raise self.failure(
+                f"the refused call changed stats():\n     now    {_stats_of(self.system)}"
+                f"\n     before {stats_before}"
+            )
+        return got
 
     def step(self, op: Operation) -> tuple[object, object]:
         """:meth:`apply`, then :meth:`check`."""
@@ -126,7 +187,7 @@ class Lockstep:
 
     def clone(self) -> None:
         """Carry on with deep copies: plans issued before must still complete on them."""
-        self.history.append(("copy.deepcopy(system): the calls go on on the copy", None))
+        self._record("copy.deepcopy(system): the calls go on on the copy", None)
         self.system = copy.deepcopy(self.system)
         self.model = copy.deepcopy(self.model)
 
@@ -187,8 +248,11 @@ class Lockstep:
         """``what`` went wrong, after the history so far: numbered calls with the system's
         results (the last call's result is in ``what`` unless ``last_result``)."""
         lines = [f"a failing history, on a {self.label} with {self.setting}:"]
-        for number, (call, result) in enumerate(self.history, start=1):
-            shown_result = last_result or number < len(self.history)
+        if self.forgotten:
+            lines.append(f"  ... {self.forgotten} earlier calls, not kept")
+        last = self.forgotten + len(self.history)
+        for number, (call, result) in enumerate(self.history, start=self.forgotten + 1):
+            shown_result = last_result or number < last
             returned = f" -> {shown(result)}" if shown_result and "deepcopy" not in call else ""
             lines.append(f"  {number}. {call}{returned}")
         lines.append(f"  -> {what}")
@@ -196,7 +260,7 @@ class Lockstep:
 
     def name(self, plan: Plan) -> str:
         """A plan by the call that made it, as the history numbers calls."""
-        return self.plan_names.get(id(plan), repr(plan))
+        return self.plan_names.get(id(plan)) or repr(plan)  # repr only when unnamed: hot
 
     def resident(self, among: Sequence[Key] | None = None) -> list[Key]:
         """The keys of ``among`` (default: the watched ones) the model holds."""
@@ -217,14 +281,41 @@ class Lockstep:
                 between(got)
             expected = _attempt(on_model)
         except AssertionError as failure:  # a crash, or victims the spec cannot accept
-            self.history.append((call, None))
+            self._record(call, None)
             raise self.failure(str(failure), last_result=False) from failure
-        self.history.append((call, got))
+        self._record(call, got)
         if not agree(got, expected):
             raise self.failure(
                 f"the results differ:\n{self._pair(got, expected)}", last_result=False
             )
         return got, expected
+
+    def _record(self, call: str, result: object) -> None:
+        self.history.append((call, result))
+        keep = self.keep
+        if keep is not None and len(self.history) > 2 * keep:  # trimmed now and then: O(1)
+            self.forgotten += len(self.history) - keep
+            del self.history[:-keep]
+            del self.closed[:-keep]
+            live = {id(mine) for mine, _ in (*self.held, *self.closed)}
+            self.plan_names = {ident: n for ident, n in self.plan_names.items() if ident in live}
+
+    def _stand_ins(self, op: Operation) -> tuple[Any, Any, str]:
+        """What each side's call passes for the plan, and its name in the history."""
+        argument = op.argument
+        if not isinstance(argument, StandIn):
+            return argument, argument, repr(argument)
+        mine, spec = (self.held + self.closed)[op.plan]
+        if argument.foreign:
+            mine, spec = spec, mine
+        changes: dict[str, Any] = dict(argument.changes)
+        described = ", ".join(f"{name}={value!r}" for name, value in argument.changes)
+        name = f"the other side's {self.name(spec)}" if argument.foreign else self.name(mine)
+        return (
+            dataclasses.replace(mine, **changes),
+            dataclasses.replace(spec, **changes),
+            f"{name} with {described}" if described else name,
+        )
 
     def _pair(self, got: object, expected: object) -> str:
         width = max(len(self.label), len("spec")) + 1
@@ -251,12 +342,29 @@ class Lockstep:
             if isinstance(got, (StorePlan, LoadPlan)) and isinstance(
                 expected, (StorePlan, LoadPlan)
             ):
-                self.plan_names[id(got)] = f"plan {len(self.history)}"
+                self.plan_names[id(got)] = f"plan {self.forgotten + len(self.history)}"
                 self.held.append((got, expected))
         elif op.name in (COMPLETE_STORE, COMPLETE_LOAD):
             self.closed.append(self.held.pop(op.plan))
         elif op.name == ABANDON:
             pass  # still open: its completion is due
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """In the ``argument`` of a plan operation (a completion or ``abandon``): what each
+    side passes instead of the plan ``op.plan`` names (an index into ``held + closed``):
+    its own plan, or the other side's (``foreign``), with ``changes`` made to its fields (a
+    forgery). Any other ``argument`` of a plan operation goes to both sides as it is (junk).
+    """
+
+    changes: tuple[tuple[str, object], ...] = ()
+    foreign: bool = False
+
+
+def _stats_of(system: object) -> object:
+    stats = getattr(system, "stats", None)
+    return stats() if callable(stats) else None
 
 
 def agree(got: object, expected: object) -> bool:
