@@ -11,11 +11,12 @@ each operation is wrapped in a ``check_*`` function, bound as a method of ``LruC
 The spec's side is an ``OffloadModel`` carrying on from a copy of ``abstract(m)``, driven
 with the manager by the one lockstep driver (``Lockstep.mirror``: the same plan objects
 are valid on both sides). The check asserts the invariants before and after, that both
-returned equal results or raised errors of one class, that the abstract states are then
-equal field by field (blocks, free block ids, the evictable counter of vLLM PR #45757,
-the policy's order, quarantines, open plans, events), and the driver compares everything
-else observable (counts, lookups, stats). So no postcondition is written by hand: what a
-call must do is what the spec's transition does.
+returned equal results or raised errors of one class, and that the abstract states are
+then equal field by field (blocks, free block ids, the evictable counter of vLLM PR
+#45757, the policy's order, quarantines, open plans, the offer tracker, events). So no
+postcondition is written by hand: what a call must do is what the spec's transition does.
+(The driver's full ``check``, which compares counts, lookups and stats too, is left to the
+conformance kit: here it made CrossHair's search 40% slower per path.)
 
 CrossHair builds ``self`` through ``__init__`` from symbolic arguments. A manager's state
 cannot be written down field by field without duplicating the manager, so the constructor
@@ -190,13 +191,7 @@ class CheckedManager(OffloadManager):
         plans it completed already are the driver's closed ones (to complete again)."""
         issued: list[Plan] = [*self.store_plans, *self.load_plans]
         done = [plan for plan in issued if plan.plan_id not in self._open_plans]
-        return Lockstep.mirror(
-            self, self.POLICY, closed=done, watched=WATCHED, label=type(self).__name__
-        )
-
-
-WATCHED = tuple(range(KEYS + 1))
-"""The keys whose lookups the driver compares: the history's and the one it never uses."""
+        return Lockstep.mirror(self, self.POLICY, closed=done, label=type(self).__name__)
 
 
 def on_plan(step: Lockstep, name: str, plan: Plan, success: bool = True) -> Operation:
@@ -220,7 +215,6 @@ def commutes(manager: CheckedManager, step: Lockstep, op: Operation) -> None:
     assert agree(got, expected), f"{op.describe()}: the manager's {got!r}, the spec's {expected!r}"
     differences = state_differences(manager.abstract_state(), step.model.state)
     assert differences == [], differences
-    step.check()  # and the rest of what is observable: counts, lookups, events, stats
 
 
 # -- the checks --------------------------------------------------------------------------
