@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 
 from kvoffload import contracts
 from kvoffload.contracts import CHECKS, ArcChecks, CheckedManager, DuelChecks, Fate, LruChecks
-from kvoffload_spec.surface import Key, LoadPlan, StorePlan
+from kvoffload_spec.operations import COMPLETE_LOAD
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
 from kvoffload_spec.validation import check_flag
 from tests.progress import progress
 from tests.test_crosshair import Run, crosshair_all
@@ -232,3 +233,24 @@ def test_the_planted_bugs_break_the_contracts() -> None:
         StaleStoreCompletionApplied(0, (Fate.STORED_AGAIN, *absent)).check_complete_store(0, True)
     with pytest.raises(AssertionError):
         AbandonFreesSlotsAtOnce(0, (Fate.PENDING, *absent)).check_abandon(0)
+
+
+def test_the_mirror_carries_on_from_a_copy_of_the_managers_abstraction() -> None:
+    """The spec's side starts equal to the manager's abstraction but is not shared with
+    it (else the square would compare a state with itself), and holds the manager's open
+    plans, each valid on both sides, and its completed ones.
+    """
+    manager = LruChecks(2, (Fate.PINNED, Fate.PENDING, Fate.STALE_LOAD, Fate.ABSENT))
+    step = manager.mirror()
+    opened = sorted(manager.abstract_state().open_plans.values(), key=lambda p: p.plan_id)
+    assert [mine for mine, _ in step.held] == opened and all(a is b for a, b in step.held)
+    issued = [*manager.store_plans, *manager.load_plans]
+    assert [mine for mine, _ in step.closed] == [p for p in issued if p not in opened]
+    assert step.model.state is not manager.abstract_state()
+    step.model.reset_cache()
+    assert manager.lookup(0) is Lookup.HIT
+    again = manager.mirror()  # and the square commutes for the pinned key's load plan
+    pinned = manager.load_plans[-1]
+    assert pinned in opened and pinned.keys == (0,)
+    contracts.commutes(manager, again, contracts.on_plan(again, COMPLETE_LOAD, pinned))
+    assert manager.lookup(0) is Lookup.HIT and not manager.abstract_state().blocks[0].refs
