@@ -128,11 +128,32 @@ class AbandonFreesSlotsAtOnce(CheckedManager):
         self._abandoned[plan.plan_id] = ()
 
 
+class EvictsTheNewest(CheckedManager):
+    """Under LRU, evicts the most recently used evictable blocks, not the least: legal
+    victims, the wrong ones (which victims, the hand-written postconditions never said).
+    """
+
+    POLICY = "lru"
+    check_prepare_store = contracts.check_prepare_store
+
+    def _make_room(self, count: int, protected: Container[Key]) -> list[Key] | None:
+        victims = super()._make_room(count, protected)
+        if not victims:
+            return victims
+        newest = [
+            key
+            for key in reversed(self._policy.resident())
+            if self._is_evictable(key) and key not in protected
+        ]
+        return newest[: len(victims)]
+
+
 PLANTED = {
     f"{__name__}.CounterNotRestoredOnLoad.check_complete_load": CounterNotRestoredOnLoad,
     f"{__name__}.EvictsBeforeGivingUp.check_prepare_store": EvictsBeforeGivingUp,
     f"{__name__}.StaleStoreCompletionApplied.check_complete_store": StaleStoreCompletionApplied,
     f"{__name__}.AbandonFreesSlotsAtOnce.check_abandon": AbandonFreesSlotsAtOnce,
+    f"{__name__}.EvictsTheNewest.check_prepare_store": EvictsTheNewest,
 }
 
 
@@ -233,6 +254,10 @@ def test_the_planted_bugs_break_the_contracts() -> None:
         StaleStoreCompletionApplied(0, (Fate.STORED_AGAIN, *absent)).check_complete_store(0, True)
     with pytest.raises(AssertionError):
         AbandonFreesSlotsAtOnce(0, (Fate.PENDING, *absent)).check_abandon(0)
+    with pytest.raises(AssertionError):
+        EvictsTheNewest(1, (Fate.READY, Fate.READY, Fate.ABSENT, Fate.ABSENT)).check_prepare_store(
+            [2]
+        )
 
 
 def test_the_mirror_carries_on_from_a_copy_of_the_managers_abstraction() -> None:
