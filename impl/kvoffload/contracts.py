@@ -1,17 +1,22 @@
-"""Contract-checked managers, for CrossHair: each operation between asserts.
+"""Contract-checked managers, for CrossHair: each operation as one commuting square.
 
 ``OffloadManager`` itself carries no contracts (they would cost every call O(n)). Here
-each operation is wrapped in a ``check_*`` function whose leading asserts are its
-preconditions and whose trailing asserts are its postconditions (CrossHair's "asserts"
-analysis), bound as a method of ``LruChecks`` and ``ArcChecks``. Every check states, among
-others:
+each operation is wrapped in a ``check_*`` function, bound as a method of ``LruChecks``,
+``ArcChecks`` and ``DuelChecks``, whose leading asserts are its preconditions (CrossHair's
+"asserts" analysis). Each check states the one contract of the refinement mapping
+(``kvoffload_spec.refinement``), from the manager's present state ``m``::
 
-- the invariants of docs/spec.md hold before and after (``check_invariants``),
-  among them the evictable counter of vLLM PR #45757;
-- the counter moves by exactly what the call made or stopped being evictable;
-- a call that fails (``prepare_store`` returning None, an ``OffloadError``) changes no cache
-  state, and a completion of a plan made before ``reset_cache`` or abandoned changes
-  nothing else.
+    abstract(op(m)) == spec_op(abstract(m))
+
+The spec's side is an ``OffloadModel`` carrying on from a copy of ``abstract(m)``, driven
+with the manager by the one lockstep driver (``Lockstep.mirror``: the same plan objects
+are valid on both sides). The check asserts the invariants before and after, that both
+returned equal results or raised errors of one class, and that the abstract states are
+then equal field by field (blocks, free block ids, the evictable counter of vLLM PR
+#45757, the policy's order, quarantines, open plans, the offer tracker, events). So no
+postcondition is written by hand: what a call must do is what the spec's transition does.
+(The driver's full ``check``, which compares counts, lookups and stats too, is left to the
+conformance kit: here it made CrossHair's search 40% slower per path.)
 
 CrossHair builds ``self`` through ``__init__`` from symbolic arguments. A manager's state
 cannot be written down field by field without duplicating the manager, so the constructor
@@ -26,17 +31,26 @@ tiny capacities::
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-from dataclasses import dataclass
 from typing import ClassVar
 
 from kvoffload.manager import OffloadManager
-from kvoffload.policies.arc import ArcPolicy
-from kvoffload.policies.base import EvictionPolicy
-from kvoffload.policies.lru import LruPolicy
-from kvoffload_spec.errors import OffloadError, SpecViolation
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from kvoffload_spec.errors import SpecViolation
+from kvoffload_spec.lockstep import Lockstep, agree
+from kvoffload_spec.operations import (
+    ABANDON,
+    ABANDON_AGAIN,
+    AGAIN,
+    COMPLETE_LOAD,
+    COMPLETE_STORE,
+    PREPARE_LOAD,
+    PREPARE_STORE,
+    RESET,
+    TOUCH,
+    Operation,
+)
+from kvoffload_spec.refinement import state_differences
+from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
 
 MAX_BLOCKS = 3
 KEYS = 4  # the keys a history uses: one more than fits, so that stores must evict
@@ -50,7 +64,7 @@ CHECKS = (
     "check_touch",
     "check_reset_cache",
 )
-"""The methods to hand to ``crosshair check``, one target each, on both classes below."""
+"""The methods to hand to ``crosshair check``, one target each, on each class below."""
 
 
 def plain(value: int, bound: int) -> int:
@@ -112,7 +126,8 @@ class CheckedManager(OffloadManager):
     an open plan, a stale one, or one completed already (which must fail).
     """
 
-    POLICY: ClassVar[type[EvictionPolicy]]
+    POLICY: ClassVar[str]
+    """The policy's name, for the manager and for the spec alike."""
 
     def __init__(self, num_blocks: int, fates: tuple[int, int, int, int]) -> None:
         size = 1 + plain(num_blocks % MAX_BLOCKS, MAX_BLOCKS)
@@ -171,76 +186,35 @@ class CheckedManager(OffloadManager):
             return False
         return True
 
-    def cache_state(self) -> CacheState:
-        """Everything a failed call must leave as it was (counters of calls excepted)."""
-        return CacheState(
-            slots=dict(self._slot_of.items()),
-            storing=dict(self._storing),
-            refs=tuple(self._refs),
-            free=(tuple(sorted(self._freed)), self._fresh),
-            num_evictable=self._num_evictable,
-            open_plans=dict(self._open_plans),
-            opened_at=dict(self._opened_at),
-            abandoned=dict(self._abandoned),
-            next_plan_id=self._next_plan_id,
-            generation=self._generation,
-            order=policy_state(self._policy),
-            observations=policy_observations(self._policy),
-        )
+    def mirror(self) -> Lockstep:
+        """This manager and the spec carrying on from its abstraction, in lockstep; the
+        plans it completed already are the driver's closed ones (to complete again)."""
+        issued: list[Plan] = [*self.store_plans, *self.load_plans]
+        done = [plan for plan in issued if plan.plan_id not in self._open_plans]
+        return Lockstep.mirror(self, self.POLICY, closed=done, label=type(self).__name__)
 
 
-@dataclass(frozen=True)
-class CacheState:
-    """A snapshot of a manager's cache state: what a failed call must leave as it was."""
-
-    slots: dict[Key, int]
-    storing: dict[Key, int]
-    refs: tuple[int, ...]
-    free: tuple[tuple[int, ...], int]
-    num_evictable: int
-    open_plans: dict[int, StorePlan | LoadPlan]
-    opened_at: dict[int, float]
-    abandoned: dict[int, tuple[int, ...]]
-    next_plan_id: int
-    generation: int
-    order: tuple[object, ...]
-    observations: tuple[object, ...]  # what a refused store may change too (ARC's ghost hits)
-
-    def without_plan(self, plan_id: int) -> CacheState:
-        """This state once the plan ``plan_id`` was closed and nothing else changed."""
-        return dataclasses.replace(
-            self,
-            open_plans={key: plan for key, plan in self.open_plans.items() if key != plan_id},
-            opened_at={key: at for key, at in self.opened_at.items() if key != plan_id},
-            abandoned={key: at for key, at in self.abandoned.items() if key != plan_id},
-        )
-
-    def blocks_only(self) -> CacheState:
-        """This state without the policy's order (what ``touch`` may change)."""
-        return dataclasses.replace(self, order=(), observations=())
-
-    def without_observations(self) -> CacheState:
-        """This state without what a refused ``prepare_store`` may change (docs/spec.md)."""
-        return dataclasses.replace(self, observations=())
+def on_plan(step: Lockstep, name: str, plan: Plan, success: bool = True) -> Operation:
+    """``name`` (a completion or ``abandon``) of ``plan`` as the driver indexes it: an open
+    plan by its place among the held ones, a completed one as the misuse of doing it again.
+    """
+    for index, (held, _) in enumerate(step.held):
+        if held is plan:
+            return Operation(name, plan=index, success=success)
+    closed = [mine for mine, _ in step.closed]
+    again = ABANDON_AGAIN if name == ABANDON else AGAIN
+    return Operation(name, plan=len(step.held) + closed.index(plan), misuse=again)
 
 
-def policy_state(policy: EvictionPolicy) -> tuple[object, ...]:
-    """The order of a built-in policy: its resident and evictable keys, in order."""
-    if isinstance(policy, ArcPolicy):
-        t1, t2, b1, b2 = policy.lists()
-        return (t1, t2, frozenset(b1), frozenset(b2), tuple(policy._t1), tuple(policy._t2))
-    if isinstance(policy, LruPolicy):
-        return (tuple(policy.resident()), tuple(policy._evictable))
-    return (tuple(policy.resident()),)
-
-
-def policy_observations(policy: EvictionPolicy) -> tuple[object, ...]:
-    """What a built-in policy learns even from a refused store: ARC's target ``p`` and the
-    order of its ghosts (which keys are ghosts is in ``policy_state``)."""
-    if isinstance(policy, ArcPolicy):
-        *_, b1, b2 = policy.lists()
-        return (tuple(b1), tuple(b2), policy.p)
-    return ()
+def commutes(manager: CheckedManager, step: Lockstep, op: Operation) -> None:
+    """``abstract(op(m)) == spec_op(abstract(m))``, with equal results: ``op`` made on the
+    manager and on the spec carrying on from its abstraction (``step``, from
+    :meth:`CheckedManager.mirror`) ends in equal outcomes and equal abstract states.
+    """
+    got, expected = step.apply(op)  # the driver raises at once on a crash or a divergence
+    assert agree(got, expected), f"{op.describe()}: the manager's {got!r}, the spec's {expected!r}"
+    differences = state_differences(manager.abstract_state(), step.model.state)
+    assert differences == [], differences
 
 
 # -- the checks --------------------------------------------------------------------------
@@ -252,156 +226,68 @@ def policy_observations(policy: EvictionPolicy) -> tuple[object, ...]:
 
 
 def check_prepare_store(manager: CheckedManager, raw_keys: list[int]) -> None:
-    """Post: on None nothing changed; else the victims were evictable and not among
-    ``keys``, the candidates are pending, and the counter fell by the number of victims.
-    """
+    """The square commutes for ``prepare_store`` of any keys, a refused store included."""
     assert manager.invariants_hold()
-    keys = plain_keys(raw_keys)
-    before, evictable = manager.cache_state(), manager.num_evictable_blocks
-    plan = manager.prepare_store(keys)
-    if plan is None:
-        # A refused store changes no cache state; ARC's ghost hits are observations.
-        assert manager.cache_state().without_observations() == before.without_observations()
-    else:
-        assert manager.num_evictable_blocks == evictable - len(plan.evicted_keys)
-        assert not set(plan.evicted_keys) & set(keys)  # a key of the call is protected
-        assert all(manager.lookup(key) is Lookup.PENDING for key in plan.keys)
-        assert all(manager.lookup(key) is Lookup.MISS for key in plan.evicted_keys)
+    commutes(manager, manager.mirror(), Operation(PREPARE_STORE, tuple(plain_keys(raw_keys))))
     assert manager.invariants_hold()
 
 
 def check_complete_store(manager: CheckedManager, which: int, success: bool) -> None:
-    """Post: a plan completed twice raises and changes nothing; an abandoned plan frees
-    its quarantined slots and changes nothing else; a stale plan only closes; a current
-    one makes its blocks ready (the counter rises by each) or absent.
-    """
+    """The square commutes for ``complete_store`` of any plan the manager issued: open,
+    stale, abandoned, or completed already."""
     assert manager.store_plans
     assert manager.invariants_hold()
+    step = manager.mirror()
     plan = manager.store_plans[which % len(manager.store_plans)]
-    before, evictable = manager.cache_state(), manager.num_evictable_blocks
-    free, states = manager.num_free_blocks, [manager.lookup(key) for key in plan.keys]
-    try:
-        manager.complete_store(plan, success)
-    except OffloadError:
-        assert plan.plan_id not in before.open_plans  # completed already
-        assert manager.cache_state() == before
-    else:
-        closed = before.without_plan(plan.plan_id)
-        if plan.plan_id in before.abandoned:  # its job is over: the quarantine ends
-            assert manager.num_free_blocks == free + len(before.abandoned[plan.plan_id])
-            assert dataclasses.replace(manager.cache_state(), free=closed.free) == closed
-        elif plan.generation != before.generation:  # made before a reset: the ABA guard
-            assert manager.cache_state() == closed
-        else:
-            outcome = Lookup.HIT if success else Lookup.MISS
-            assert all(manager.lookup(key) is outcome for key in plan.keys)
-            stored = sum(state is Lookup.PENDING for state in states) if success else 0
-            assert manager.num_evictable_blocks == evictable + stored
+    commutes(manager, step, on_plan(step, COMPLETE_STORE, plan, success))
     assert manager.invariants_hold()
 
 
 def check_prepare_load(manager: CheckedManager, raw_keys: list[int]) -> None:
-    """Post: a key not ready raises and changes nothing; else the counter fell by the
-    number of distinct keys that had no loads.
-    """
+    """The square commutes for ``prepare_load`` of any keys, ready or not."""
     assert manager.invariants_hold()
-    keys = plain_keys(raw_keys)
-    before, evictable = manager.cache_state(), manager.num_evictable_blocks
-    newly_pinned = sum(manager._is_evictable(key) for key in set(keys))
-    try:
-        plan = manager.prepare_load(keys)
-    except OffloadError:
-        assert any(manager.lookup(key) is not Lookup.HIT for key in keys)
-        assert manager.cache_state() == before
-    else:
-        assert plan.keys == tuple(keys)
-        assert manager.num_evictable_blocks == evictable - newly_pinned
+    commutes(manager, manager.mirror(), Operation(PREPARE_LOAD, tuple(plain_keys(raw_keys))))
     assert manager.invariants_hold()
 
 
 def check_complete_load(manager: CheckedManager, which: int) -> None:
-    """Post: a plan completed twice raises and changes nothing; an abandoned or stale plan
-    only closes; a current one frees its blocks (the counter rises by each block left
-    unread).
-    """
+    """The square commutes for ``complete_load`` of any plan the manager issued."""
     assert manager.load_plans
     assert manager.invariants_hold()
+    step = manager.mirror()
     plan = manager.load_plans[which % len(manager.load_plans)]
-    before, evictable = manager.cache_state(), manager.num_evictable_blocks
-    try:
-        manager.complete_load(plan)
-    except OffloadError:
-        assert plan.plan_id not in before.open_plans
-        assert manager.cache_state() == before
-    else:
-        if plan.plan_id in before.abandoned or plan.generation != before.generation:
-            assert manager.cache_state() == before.without_plan(plan.plan_id)
-        else:
-            released = sum(manager._is_evictable(key) for key in set(plan.keys))
-            assert manager.num_evictable_blocks == evictable + released
+    commutes(manager, step, on_plan(step, COMPLETE_LOAD, plan))
     assert manager.invariants_hold()
 
 
 def check_abandon(manager: CheckedManager, which: int) -> None:
-    """Post: a plan not open or abandoned already raises and changes nothing; a stale plan
-    is marked abandoned, holding nothing; a current load plan's blocks are unpinned (the
-    counter rises by each block left unread); a current store plan's pending blocks are
-    absent and their slots quarantined, neither free nor resident.
-    """
+    """The square commutes for ``abandon`` of any plan the manager issued."""
     assert manager.store_plans or manager.load_plans
     assert manager.invariants_hold()
-    plans: list[StorePlan | LoadPlan] = [*manager.store_plans, *manager.load_plans]
-    plan = plans[which % len(plans)]
-    before, evictable = manager.cache_state(), manager.num_evictable_blocks
-    free, quarantined = manager.num_free_blocks, manager.num_quarantined_blocks
-    pending = [key for key in plan.keys if before.storing.get(key) == plan.plan_id]
-    try:
-        manager.abandon(plan)
-    except OffloadError:
-        assert plan.plan_id not in before.open_plans or plan.plan_id in before.abandoned
-        assert manager.cache_state() == before
-    else:
-        assert plan.plan_id in manager.cache_state().abandoned
-        assert plan.plan_id in manager.cache_state().open_plans  # completed once, later
-        assert manager.num_free_blocks == free
-        if plan.generation != before.generation or isinstance(plan, StorePlan):
-            assert manager.num_evictable_blocks == evictable
-        if isinstance(plan, StorePlan):
-            assert all(manager.lookup(key) is Lookup.MISS for key in pending)
-            assert manager.num_quarantined_blocks == quarantined + len(pending)
-        else:
-            released = sum(manager._is_evictable(key) for key in set(plan.keys))
-            if plan.generation == before.generation:
-                assert manager.num_evictable_blocks == evictable + released
+    step = manager.mirror()
+    plans: list[Plan] = [*manager.store_plans, *manager.load_plans]
+    commutes(manager, step, on_plan(step, ABANDON, plans[which % len(plans)]))
     assert manager.invariants_hold()
 
 
 def check_touch(manager: CheckedManager, raw_keys: list[int]) -> None:
-    """Post: only the policy's order changed."""
+    """The square commutes for ``touch`` of any keys, resident or not."""
     assert manager.invariants_hold()
-    before = manager.cache_state()
-    manager.touch(plain_keys(raw_keys))
-    assert manager.cache_state().blocks_only() == before.blocks_only()
+    commutes(manager, manager.mirror(), Operation(TOUCH, tuple(plain_keys(raw_keys))))
     assert manager.invariants_hold()
 
 
 def check_reset_cache(manager: CheckedManager) -> None:
-    """Post: everything is absent and free; the open plans are still open."""
+    """The square commutes for ``reset_cache``."""
     assert manager.invariants_hold()
-    before = manager.cache_state()
-    manager.reset_cache()
-    after = manager.cache_state()
-    assert not after.slots and manager.num_evictable_blocks == 0
-    assert manager.num_free_blocks == manager.num_blocks - manager.num_quarantined_blocks
-    assert after.open_plans == before.open_plans  # still open: each completes once
-    assert after.abandoned == before.abandoned  # their jobs may still write those slots
+    commutes(manager, manager.mirror(), Operation(RESET))
     assert manager.invariants_hold()
 
 
 class LruChecks(CheckedManager):
     """A checked manager with the LRU policy."""
 
-    POLICY = LruPolicy
+    POLICY = "lru"
     check_prepare_store = check_prepare_store
     check_complete_store = check_complete_store
     check_prepare_load = check_prepare_load
@@ -414,7 +300,20 @@ class LruChecks(CheckedManager):
 class ArcChecks(CheckedManager):
     """A checked manager with the ARC policy."""
 
-    POLICY = ArcPolicy
+    POLICY = "arc"
+    check_prepare_store = check_prepare_store
+    check_complete_store = check_complete_store
+    check_prepare_load = check_prepare_load
+    check_complete_load = check_complete_load
+    check_abandon = check_abandon
+    check_touch = check_touch
+    check_reset_cache = check_reset_cache
+
+
+class DuelChecks(CheckedManager):
+    """A checked manager with the duel policy."""
+
+    POLICY = "duel"
     check_prepare_store = check_prepare_store
     check_complete_store = check_complete_store
     check_prepare_load = check_prepare_load

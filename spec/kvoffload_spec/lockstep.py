@@ -109,6 +109,39 @@ class Lockstep:
         if self.dictated:
             self.model.state.order = DictatedOrder(self.model.state.order.resident())
 
+    @classmethod
+    def mirror(
+        cls,
+        system: ManagerSurface,
+        policy: str = "lru",
+        *,
+        closed: Sequence[Plan] = (),
+        watched: tuple[Key, ...] = (),
+        label: str = "system",
+    ) -> Lockstep:
+        """A lockstep that carries on from ``system``'s present state: the model starts
+        from a copy of its abstraction, so the next step checks one commuting square of
+        :mod:`kvoffload_spec.refinement` from wherever the system is.
+
+        The abstraction holds the system's own open plans and owner, so each plan is valid
+        on both sides: ``held`` pairs each open plan with itself, in the order issued, and
+        ``closed`` (plans the system completed already, for misuses) likewise.
+        """
+        state = abstract(system)
+        if state is None:
+            raise TypeError(f"{type(system).__name__} states no abstraction (abstract_state)")
+        model = OffloadModel.from_state(copy_state(state), policy)
+        opened = sorted(state.open_plans.values(), key=lambda plan: plan.plan_id)
+        return cls(
+            system,
+            model,
+            setting=f"the {policy} policy, from the state it was in",
+            watched=watched,
+            label=label,
+            held=[(plan, plan) for plan in opened],
+            closed=[(plan, plan) for plan in closed],
+        )
+
     # -- one call --------------------------------------------------------------------------
 
     def apply(self, op: Operation) -> tuple[object, object]:
