@@ -297,6 +297,11 @@ class DuelPolicy(EvictionPolicy):
         by_reuse = [key for key in uses.by_reuse() if is_evictable(key)]
         if self.orders() != (by_last, by_reuse):
             problems.append(f"duel's evictable orders are {self.orders()}, expected {by_last}")
+        stamps = uses.stamps
+        if any(stamps[key] & 1 for key in uses.once) or not all(
+            stamps[key] & 1 for key in uses.reused
+        ):
+            problems.append("duel lists a key used once as reused, or the reverse")
         if len(uses.history) > uses.limit:
             problems.append("duel's history exceeds its bound")
         if any(key in uses.stamps for key in uses.history):
