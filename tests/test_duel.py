@@ -11,13 +11,14 @@ reports on a corrupted policy.
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Callable
 
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
-from kvoffload.policies.duel import HISTORY, DuelPolicy
-from kvoffload_spec.policies import DUEL_DECAY, DuelOrder
+from kvoffload.policies.duel import HISTORY, DuelPolicy, stable_hash
+from kvoffload_spec.policies import DUEL_DECAY, DuelOrder, sample_hash
 from kvoffload_spec.surface import Key
 from tests.test_manager_mutants import CAPACITY, KEYS, PolicyAgainstSpec
 
@@ -83,20 +84,48 @@ def test_the_reuse_order_puts_keys_used_once_first_each_part_by_last_use() -> No
 
 
 def test_victims_follow_the_leading_shadow_and_lru_on_a_tie() -> None:
-    policy, _ = filled(["a", "b", "c"])
-    policy.touch(["a"], always)
+    policy, _ = filled(["a", "b"], capacity=4)
+    policy.touch(["a"], always)  # reused, and now more recent than b
+    for key in ("c", "d"):
+        policy.insert(key)
+        policy.mark_evictable(key)
     lru, reuse = policy._shadows
-    assert policy.choose_victims(2, ()) == ["b", "c"]  # LRU: a is the most recent
-    assert policy.choose_victims(2, {"b"}) == ["c", "a"]
+    assert policy.orders() == (["b", "a", "c", "d"], ["b", "c", "d", "a"])
+    assert policy.choose_victims(2, ()) == ["b", "a"]  # LRU
+    assert policy.choose_victims(2, {"b"}) == ["a", "c"]
     reuse.score = lru.score + 1
     assert (policy.follows_reuse, policy.scores) == (True, (lru.score, lru.score + 1))
-    assert policy.choose_victims(3, ()) == ["b", "c", "a"]
-    policy.touch(["b"], always)
-    assert policy.choose_victims(3, ()) == ["c", "a", "b"]
-    assert policy.choose_victims(3, {"a"}) is None
+    assert policy.choose_victims(2, ()) == ["b", "c"]
+    assert policy.choose_victims(3, {"c"}) == ["b", "d", "a"]
+    assert policy.choose_victims(4, {"a"}) is None
     lru.score = reuse.score
     assert (policy.follows_reuse, policy.scores) == (False, (reuse.score, reuse.score))
-    assert policy.choose_victims(3, ()) == ["c", "a", "b"]
+    assert policy.choose_victims(2, ()) == ["b", "a"]
+
+
+def test_the_policy_knows_its_capacity_and_its_shadows_theirs() -> None:
+    policy = DuelPolicy(8192)
+    assert policy.capacity == 8192
+    assert [(shadow.capacity, shadow.mask, shadow.reuse) for shadow in policy._shadows] == [
+        (1024, 7, False),
+        (1024, 7, True),
+    ]
+    assert [shadow.uses.limit for shadow in policy._shadows] == [0, HISTORY * 1024]
+    assert policy._uses.limit == HISTORY * 8192
+
+
+class OddRepr:
+    """A key whose repr is not valid UTF-8 on its own (a lone surrogate)."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return "k\udc80"
+
+
+def test_a_key_whose_repr_cannot_be_encoded_is_hashed_with_escapes() -> None:
+    assert stable_hash(OddRepr()) == sample_hash(OddRepr()) == zlib.crc32(b"k\\udc80")
 
 
 def test_an_evicted_key_stored_again_is_reused_while_the_history_remembers_it() -> None:

@@ -153,7 +153,7 @@ class _Shadow:
 
     __slots__ = ("capacity", "clock", "mask", "reuse", "score", "uses")
 
-    def __init__(self, capacity: int, *, reuse: bool, rate: int = 1) -> None:
+    def __init__(self, capacity: int, *, reuse: bool, rate: int) -> None:
         self.capacity = capacity // rate
         self.mask = rate - 1  # a power of two: in the sample when the hash's low bits are 0
         self.reuse = reuse
