@@ -195,7 +195,8 @@ DUEL_DECAY = 0.999
 score weighs about the last thousand requests."""
 
 DUEL_HISTORY = 4
-"""LRU-2 remembers the last use of up to this many times ``capacity`` evicted keys."""
+"""The reuse order remembers the last use of up to this many times ``capacity`` evicted
+keys, so that a key stored again soon after its eviction counts as reused."""
 
 DUEL_SAMPLE = 32
 """A shadow simulates at most one key in this many (the sample rate's upper bound)."""
@@ -231,10 +232,11 @@ def in_sample(key: Key, rate: int) -> bool:
 
 
 @dataclass
-class Lru2Uses:
-    """LRU-2's bookkeeping: each resident key's last and second most recent use (-1: used
-    once), and the last uses of up to ``history_limit`` recently evicted keys, oldest
-    first, so that a key stored again is known as reused."""
+class KeyUses:
+    """Each resident key's last and second most recent use (-1: used once), and the last
+    uses of up to ``history_limit`` recently evicted keys, oldest first, so that a key
+    stored again is known as reused. The reuse order reads only whether a second use
+    exists (LRU-2 would order by its stamp)."""
 
     history_limit: int
     last: dict[Key, int] = field(default_factory=dict)
@@ -265,20 +267,21 @@ class Lru2Uses:
         return sorted(self.last, key=lambda key: self.last[key])
 
     def by_reuse(self) -> list[Key]:
-        return sorted(self.last, key=lambda key: (self.penult[key], self.last[key]))
+        """Segmented LRU: the keys used once, least recent first, then the reused ones."""
+        return sorted(self.last, key=lambda key: (self.penult[key] >= 0, self.last[key]))
 
     def clear(self) -> None:
         self.last.clear()
         self.penult.clear()
         self.history.clear()
 
-    def copy(self) -> Lru2Uses:
-        return Lru2Uses(self.history_limit, dict(self.last), dict(self.penult), dict(self.history))
+    def copy(self) -> KeyUses:
+        return KeyUses(self.history_limit, dict(self.last), dict(self.penult), dict(self.history))
 
 
 @dataclass
 class ShadowPool:
-    """A keys-only pool of ``capacity`` blocks under LRU (``reuse`` False) or LRU-2, driven
+    """A keys-only pool of ``capacity`` blocks in LRU (``reuse`` False) or reuse order, driven
     by the touched requests as an engine drives a pool: a request's hits are its longest
     resident prefix, then its absent keys are stored (evicting keys outside the request;
     none if they cannot fit), then it is touched (the first key ends most recent; a key
@@ -290,7 +293,7 @@ class ShadowPool:
 
     capacity: int
     reuse: bool
-    uses: Lru2Uses
+    uses: KeyUses
     rate: int = 1
     clock: int = 0
     score: float = 0.0
@@ -330,20 +333,20 @@ class ShadowPool:
 
 @dataclass
 class DuelOrder(Order):
-    """Victims in LRU or in LRU-2 order, whichever would have served more prefix hits lately.
+    """Victims in LRU or in reuse order, whichever would have served more prefix hits lately.
 
-    LRU wins when the pool holds the workload's reuse distances, LRU-2 (used-once keys
-    first, then by the second most recent use) when it does not: one-shot blocks then flush
-    everything under LRU. Two shadows, keys-only pools under each order that see a sample
-    of the keys (``ShadowPool``), replay every touched request and score the prefix hits
-    they would have served;
-    the real pool evicts in the order of the shadow with the higher score (LRU on a tie).
+    LRU wins when the pool holds the workload's reuse distances; the reuse order (segmented
+    LRU: the keys used once go first, least recent first, then the reused ones, least
+    recent first) when it does not: one-shot blocks then flush everything under LRU. Two
+    shadows, keys-only pools in each order that see a sample of the keys (``ShadowPool``),
+    replay every touched request and score the prefix hits they would have served; the
+    real pool evicts in the order of the shadow with the higher score (LRU on a tie).
     Only ``touch`` feeds the shadows: it names a request's keys in order, which is what a
     prefix hit needs. Recency (both orders) comes from insertion and ``touch`` alone.
     """
 
     capacity: int
-    uses: Lru2Uses
+    uses: KeyUses
     shadows: tuple[ShadowPool, ShadowPool]
     clock: int = 0
 
@@ -352,9 +355,9 @@ class DuelOrder(Order):
         rate = duel_sample_rate(capacity)
         size = capacity // rate
         # LRU never reads a second use: its shadow keeps no history.
-        lru = ShadowPool(size, reuse=False, uses=Lru2Uses(0), rate=rate)
-        lru2 = ShadowPool(size, reuse=True, uses=Lru2Uses(DUEL_HISTORY * size), rate=rate)
-        return DuelOrder(capacity, Lru2Uses(DUEL_HISTORY * capacity), (lru, lru2))
+        lru = ShadowPool(size, reuse=False, uses=KeyUses(0), rate=rate)
+        reuse = ShadowPool(size, reuse=True, uses=KeyUses(DUEL_HISTORY * size), rate=rate)
+        return DuelOrder(capacity, KeyUses(DUEL_HISTORY * capacity), (lru, reuse))
 
     @property
     def follows_reuse(self) -> bool:
@@ -391,14 +394,14 @@ class DuelOrder(Order):
     def snapshot(self) -> tuple[object, ...]:
         """The resident keys by last use and by reuse, the history, each shadow's keys in its
         own order and its history, and the two scores (compared with the manager's)."""
-        lru, lru2 = self.shadows
+        lru, reuse = self.shadows
         return (
             self.uses.by_recency(),
             self.uses.by_reuse(),
             list(self.uses.history),
-            [lru.uses.by_recency(), lru2.uses.by_reuse()],
-            [list(lru.uses.history), list(lru2.uses.history)],
-            (lru.score, lru2.score),
+            [lru.uses.by_recency(), reuse.uses.by_reuse()],
+            [list(lru.uses.history), list(reuse.uses.history)],
+            (lru.score, reuse.score),
         )
 
     def fingerprint(self) -> tuple[Hashable, Hashable]:
@@ -409,7 +412,7 @@ class DuelOrder(Order):
         return tuple(parts), ()
 
     @staticmethod
-    def _ranks(uses: Lru2Uses) -> Hashable:
+    def _ranks(uses: KeyUses) -> Hashable:
         return (tuple(uses.by_recency()), tuple(uses.by_reuse()), tuple(uses.history))
 
     def clear(self) -> None:
@@ -419,8 +422,8 @@ class DuelOrder(Order):
 
     def copy(self) -> DuelOrder:
         """A deep copy (keys are immutable: only the containers are copied)."""
-        lru, lru2 = self.shadows
-        return DuelOrder(self.capacity, self.uses.copy(), (lru.copy(), lru2.copy()), self.clock)
+        lru, reuse = self.shadows
+        return DuelOrder(self.capacity, self.uses.copy(), (lru.copy(), reuse.copy()), self.clock)
 
 
 PolicyOrder = LruOrder | ArcOrder | DuelOrder

@@ -1,15 +1,16 @@
-"""Dueling eviction: LRU or LRU-2, whichever would have served more prefix hits lately.
+"""Dueling eviction: LRU or the reuse order, whichever would have served more prefix hits.
 
 The two orders win in different regimes. When the pool is small against the reuse
-distances of a workload, LRU flushes every block before its next use, while LRU-2 (evict the
-block whose second most recent use is oldest; blocks used once go first) keeps the blocks
-that were reused and loses the one-shot ones. When the pool is large, LRU-2 holds on to
-blocks reused long ago and LRU wins. Which regime holds depends on the workload and the
-pool, so the policy measures it: two *shadows*, keys-only simulations of an LRU and an
-LRU-2 pool of the same capacity, replay every touched request and count the prefix hits
-each would have served (a request reuses only a prefix of its blocks, so a block counts only
-if every block before it is resident too). The real pool evicts in the order of the shadow
-with the higher score; scores decay, so the choice follows the workload as it changes.
+distances of a workload, LRU flushes every block before its next use, while the reuse
+order (segmented LRU: blocks used once go first, least recent first, then the reused ones,
+least recent first) keeps the blocks that were reused and loses the one-shot ones. When the
+pool is large, the reuse order holds on to blocks reused long ago and LRU wins. Which
+regime holds depends on the workload and the pool, so the policy measures it: two
+*shadows*, keys-only simulations of an LRU and a reuse-order pool of the same capacity,
+replay every touched request and count the prefix hits each would have served (a request
+reuses only a prefix of its blocks, so a block counts only if every block before it is
+resident too). The real pool evicts in the order of the shadow with the higher score;
+scores decay, so the choice follows the workload as it changes.
 
 See the spec's ``DuelOrder`` (``kvoffload_spec.policies``) for the rules written plainly.
 
@@ -18,37 +19,36 @@ modulo ``sample_rate(capacity)``, in a pool of ``capacity // rate`` blocks, so t
 cost a thirty-second of the pool at most sizes while pools under 2,048 blocks are
 simulated whole.
 
-Costs: every operation is O(k log n) for k keys (the shadows' included), and finding
-victims walks only evictable keys. Memory: per resident key a code and two sorted-list
-entries; per shadow at most ``capacity // rate`` keys, and LRU-2's histories of at most
-``HISTORY`` times their pool's capacity evicted keys' last uses (bounded, like ARC's
-ghosts).
+Both orders come from one stamp per key: twice its last use, plus one once the key was
+reused. The evictable keys sit in two sorted lists by stamp, the keys used once and the
+reused ones: the reuse order reads the first list and then the second, LRU merges the two
+by stamp. So a resident key costs what it costs under LRU (one stamp, one sorted-list
+entry), every operation is O(k log n) for k keys (the shadows' included), and finding
+victims walks only evictable keys. The history of evicted keys (bounded, like ARC's
+ghosts) holds keys only: up to ``HISTORY`` times the pool for the real pool and the
+reuse-order shadow.
 """
 
 from __future__ import annotations
 
-import functools
+import heapq
 import itertools
-from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from zlib import crc32
 
-from sortedcontainers import SortedKeyList
-
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.recency import stamp_ordered, unprotected
+from kvoffload.sharded import OrderedKeys, ShardedDict
 from kvoffload_spec.policies import DUEL_DECAY, DUEL_HISTORY, DUEL_SAMPLE, DUEL_SAMPLE_MIN
 from kvoffload_spec.surface import Key
 
 if TYPE_CHECKING:
-    from kvoffload_spec.policies import DuelOrder, Lru2Uses
+    from kvoffload_spec.policies import DuelOrder, KeyUses
 
 HISTORY = DUEL_HISTORY
 _FIBONACCI = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
-_LAST_BITS = 40  # stamps stay below 2**40: a trillion uses
-_LAST_MASK = (1 << _LAST_BITS) - 1
 
 
 def sample_rate(capacity: int) -> int:
@@ -72,75 +72,96 @@ def stable_hash(key: Key) -> int:
     return crc32(repr(key).encode("utf-8", "backslashreplace"))
 
 
-def reuse_code(penult: int, last: int) -> int:
-    """LRU-2's order as one int: by the second most recent use (-1: none), then the last."""
-    return (penult + 1) << _LAST_BITS | last
+class _Uses:
+    """The keys of one pool (the real one or a shadow) and both orders over them.
 
+    ``stamps[key]`` is twice the key's last use, plus one once it was reused: unique, so
+    ordering by it is LRU order, and its low bit says which of the two sorted lists
+    (``once``, ``reused``) holds the key while it is evictable. ``history`` holds the
+    last ``limit`` evicted keys, oldest first: one stored again is reused at once.
+    """
 
-class _LastUse:
-    """The sort key of the LRU order: a key's last use, the low bits of its code. A class
-    rather than a closure, so that ``copy.deepcopy`` gives a clone's sorted list the clone's
-    codes (as the ``partial`` of ``recency.stamp_ordered`` does)."""
+    __slots__ = ("history", "limit", "once", "reused", "stamps")
 
-    __slots__ = ("codes",)
-
-    def __init__(self, codes: dict[Key, int]) -> None:
-        self.codes = codes
-
-    def __call__(self, key: Key) -> int:
-        return self.codes[key] & _LAST_MASK
-
-
-class _Lru2Stamps:
-    """LRU-2 bookkeeping: each key's code (see ``reuse_code``: its last and second most
-    recent use in one int), and a bounded history of evicted keys' last uses, so that a key
-    stored again is known as reused."""
-
-    __slots__ = ("codes", "history", "limit")
-
-    def __init__(self, history_limit: int) -> None:
-        self.codes: dict[Key, int] = {}
-        self.history: OrderedDict[Key, int] = OrderedDict()
+    def __init__(self, capacity: int, history_limit: int) -> None:
+        self.stamps: ShardedDict[Key, int] = ShardedDict(capacity)
+        self.once = stamp_ordered(self.stamps)
+        self.reused = stamp_ordered(self.stamps)
+        self.history: OrderedKeys[Key] = OrderedKeys(history_limit)
         self.limit = history_limit
 
-    def insert(self, key: Key, stamp: int) -> None:
-        self.codes[key] = reuse_code(self.history.pop(key, -1), stamp)
+    def listed(self, stamp: int) -> Any:
+        """The sorted list that holds an evictable key with this stamp."""
+        return self.reused if stamp & 1 else self.once
 
-    def use(self, key: Key, stamp: int, *, reused: bool) -> None:
-        code = self.codes[key]
-        penult = code & _LAST_MASK if reused else (code >> _LAST_BITS) - 1
-        self.codes[key] = reuse_code(penult, stamp)
+    def insert(self, key: Key, tick: int) -> None:
+        self.stamps[key] = tick << 1 | self.history.discard(key)
+
+    def use(self, key: Key, tick: int, *, reused: bool, evictable: bool) -> None:
+        stamp = self.stamps[key]
+        if evictable:
+            self.listed(stamp).remove(key)
+        stamp = tick << 1 | stamp & 1 | reused
+        self.stamps[key] = stamp
+        if evictable:
+            self.listed(stamp).add(key)
+
+    def add(self, key: Key) -> None:
+        self.listed(self.stamps[key]).add(key)
+
+    def discard(self, key: Key) -> None:
+        self.listed(self.stamps[key]).remove(key)
 
     def forget(self, key: Key) -> None:
-        """``key`` left (evicted): its last use goes to the history."""
-        self.history[key] = self.codes.pop(key) & _LAST_MASK
-        while len(self.history) > self.limit:
-            self.history.popitem(last=False)
+        """``key`` left (evicted, and not evictable any more): it goes to the history."""
+        del self.stamps[key]
+        if self.limit:
+            self.history.append(key)
+            if len(self.history) > self.limit:
+                self.history.pop_oldest()
 
     def drop(self, key: Key) -> None:
         """``key`` left without a use worth remembering (its store failed)."""
-        del self.codes[key]
+        del self.stamps[key]
+
+    def ordered(self, *, by_reuse: bool) -> Iterator[Key]:
+        """The evictable keys, victims first, in the reuse order or in LRU order."""
+        if by_reuse:
+            return itertools.chain(self.once, self.reused)
+        return heapq.merge(self.once, self.reused, key=self.stamps.__getitem__)
+
+    def by_recency(self) -> list[Key]:
+        """Every key, least recent first (O(n log n): for checks)."""
+        return sorted(self.stamps, key=self.stamps.__getitem__)
+
+    def by_reuse(self) -> list[Key]:
+        """Every key in the reuse order (O(n log n): for checks)."""
+        stamps = self.stamps
+        return sorted(stamps, key=lambda key: (stamps[key] & 1, stamps[key]))
+
+    def evictable(self) -> int:
+        return len(self.once) + len(self.reused)
 
     def clear(self) -> None:
-        self.codes.clear()
+        self.once.clear()
+        self.reused.clear()
+        self.stamps.clear()
         self.history.clear()
 
 
 class _Shadow:
-    """A keys-only pool of ``capacity`` blocks under LRU (``reuse=False``) or LRU-2, driven
-    by the touched requests as an engine drives the real pool, scoring its prefix hits."""
+    """A keys-only pool of ``capacity`` blocks in LRU (``reuse=False``) or reuse order,
+    driven by the touched requests as an engine drives the real pool, scoring its prefix
+    hits. Every key of a shadow is evictable."""
 
-    __slots__ = ("capacity", "clock", "mask", "order", "reuse", "score", "stamps")
+    __slots__ = ("capacity", "clock", "mask", "reuse", "score", "uses")
 
-    def __init__(self, capacity: int, *, reuse: bool, rate: int = 1) -> None:
+    def __init__(self, capacity: int, *, reuse: bool, rate: int) -> None:
         self.capacity = capacity // rate
         self.mask = rate - 1  # a power of two: in the sample when the hash's low bits are 0
         self.reuse = reuse
-        # LRU never reads a second use: its shadow keeps no history.
-        self.stamps = _Lru2Stamps(HISTORY * self.capacity if reuse else 0)
-        codes = self.stamps.codes
-        by = functools.partial(dict.__getitem__, codes) if reuse else _LastUse(codes)
-        self.order = SortedKeyList(key=by)
+        # LRU never reads a reuse: its shadow keeps no history.
+        self.uses = _Uses(self.capacity, HISTORY * self.capacity if reuse else 0)
         self.score = 0.0
         self.clock = 0
 
@@ -148,53 +169,54 @@ class _Shadow:
         if self.mask:
             mask = self.mask
             keys = [key for key in keys if not stable_hash(key) & mask]
-        resident = self.stamps.codes
+        uses = self.uses
+        resident = uses.stamps
         hits = sum(1 for _ in itertools.takewhile(resident.__contains__, keys))
         self.score = self.score * DUEL_DECAY + hits
         distinct = dict.fromkeys(keys)
         absent = [key for key in distinct if key not in resident]
-        need = len(absent) - (self.capacity - len(resident))
-        if need > len(resident) - (len(distinct) - len(absent)):
+        size = uses.evictable()
+        need = len(absent) - (self.capacity - size)
+        if need > size - (len(distinct) - len(absent)):
             absent = []  # it does not fit: the store is refused, the touch still counts
         elif need > 0:
-            victims = list(itertools.islice(unprotected(self.order, distinct), need))
-            for key in victims:
-                self.order.remove(key)
-                self.stamps.forget(key)
+            ordered = uses.ordered(by_reuse=self.reuse)
+            for key in list(itertools.islice(unprotected(ordered, distinct), need)):
+                uses.discard(key)
+                uses.forget(key)
         for key in absent:
             self.clock += 1
-            self.stamps.insert(key, self.clock)
-            self.order.add(key)
+            uses.insert(key, self.clock)
+            uses.add(key)
         fresh = set(absent)
         for key in reversed(keys):
             if key in resident:
-                self.order.remove(key)
                 self.clock += 1
-                self.stamps.use(key, self.clock, reused=key not in fresh)
-                self.order.add(key)
+                uses.use(key, self.clock, reused=key not in fresh, evictable=True)
+
+    def order(self) -> list[Key]:
+        return self.uses.by_reuse() if self.reuse else self.uses.by_recency()
 
     def clear(self) -> None:
-        self.stamps.clear()
-        self.order.clear()
+        self.uses.clear()
         self.score = 0.0
 
 
 class DuelPolicy(EvictionPolicy):
-    """Victims in LRU or LRU-2 order, whichever shadow scored more prefix hits lately.
+    """Victims in LRU or reuse order, whichever shadow scored more prefix hits lately.
 
-    The real keys carry both orders' stamps; each order keeps its evictable keys in a sorted
-    list, so choosing k victims costs O(k log n) however many blocks are pinned or pending.
+    Every resident key has one stamp (see ``_Uses``); the evictable keys sit in two sorted
+    lists by stamp, so choosing k victims costs O(k log n) in either order, however many
+    blocks are pinned or pending.
     """
 
-    touch_counts_reuse = True  # a touch of a ready key is its second use in LRU-2 order
+    touch_counts_reuse = True  # a touch of a ready key is its second use in reuse order
 
-    __slots__ = ("_by_recency", "_by_reuse", "_clock", "_shadows", "_stamps")
+    __slots__ = ("_clock", "_shadows", "_uses")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._stamps = _Lru2Stamps(HISTORY * capacity)
-        self._by_recency = SortedKeyList(key=_LastUse(self._stamps.codes))
-        self._by_reuse = stamp_ordered(self._stamps.codes)
+        self._uses = _Uses(capacity, HISTORY * capacity)
         rate = sample_rate(capacity)
         self._shadows = (
             _Shadow(capacity, reuse=False, rate=rate),
@@ -204,41 +226,37 @@ class DuelPolicy(EvictionPolicy):
 
     @property
     def follows_reuse(self) -> bool:
-        """Whether victims come in LRU-2 order now (else LRU): the LRU-2 shadow leads."""
-        lru, lru2 = self._shadows
-        return lru2.score > lru.score
+        """Whether victims come in reuse order now (else LRU): the reuse shadow leads."""
+        lru, reuse = self._shadows
+        return reuse.score > lru.score
 
     @property
     def scores(self) -> tuple[float, float]:
-        """The decayed prefix-hit scores of the LRU and the LRU-2 shadow."""
+        """The decayed prefix-hit scores of the LRU and the reuse-order shadow."""
         return self._shadows[0].score, self._shadows[1].score
 
     def insert(self, key: Key) -> None:
-        self._stamps.insert(key, self._tick())
+        self._uses.insert(key, self._tick())
 
     def remove(self, key: Key) -> None:
-        self._stamps.drop(key)
+        self._uses.drop(key)
 
     def mark_evictable(self, key: Key) -> None:
-        self._by_recency.add(key)
-        self._by_reuse.add(key)
+        self._uses.add(key)
 
     def mark_unevictable(self, key: Key) -> None:
-        self._by_recency.remove(key)
-        self._by_reuse.remove(key)
+        self._uses.discard(key)
 
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         for shadow in self._shadows:
             shadow.replay(keys)
+        uses = self._uses
+        stamps = uses.stamps
         for key in reversed(keys):
-            if key in self._stamps.codes:
-                evictable = key in self._by_recency
-                if evictable:
-                    self.mark_unevictable(key)
+            if key in stamps:
+                evictable = key in uses.listed(stamps[key])
                 # A pending block was only just inserted: that is not a second use.
-                self._stamps.use(key, self._tick(), reused=is_ready(key))
-                if evictable:
-                    self.mark_evictable(key)
+                uses.use(key, self._tick(), reused=is_ready(key), evictable=evictable)
 
     def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
         victims = list(itertools.islice(self._candidates(protected), need))
@@ -246,52 +264,55 @@ class DuelPolicy(EvictionPolicy):
 
     def evict(self, victims: Sequence[Key]) -> None:
         for key in victims:
-            self.mark_unevictable(key)
-            self._stamps.forget(key)
+            self._uses.discard(key)
+            self._uses.forget(key)
 
     def clear(self) -> None:
-        self._by_recency.clear()
-        self._by_reuse.clear()
-        self._stamps.clear()
+        self._uses.clear()
         for shadow in self._shadows:
             shadow.clear()
 
     def resident(self) -> list[Key]:
-        return sorted(self._stamps.codes, key=_LastUse(self._stamps.codes))
+        return self._uses.by_recency()
 
     def snapshot(self) -> tuple[object, ...]:
         """Everything that decides the future, in the shape of the spec's
         ``DuelOrder.snapshot()`` (O(n log n): for checks and tests)."""
-        stamps = self._stamps
+        uses = self._uses
         return (
-            self.resident(),
-            sorted(stamps.codes, key=stamps.codes.__getitem__),
-            list(stamps.history),
-            [list(shadow.order) for shadow in self._shadows],
-            [list(shadow.stamps.history) for shadow in self._shadows],
+            uses.by_recency(),
+            uses.by_reuse(),
+            list(uses.history),
+            [shadow.order() for shadow in self._shadows],
+            [list(shadow.uses.history) for shadow in self._shadows],
             self.scores,
         )
 
     def orders(self) -> tuple[list[Key], list[Key]]:
-        """The evictable keys in LRU and in LRU-2 order, victims first (for checks)."""
-        return list(self._by_recency), list(self._by_reuse)
+        """The evictable keys in LRU and in reuse order, victims first (for checks)."""
+        uses = self._uses
+        return list(uses.ordered(by_reuse=False)), list(uses.ordered(by_reuse=True))
 
     def check_invariants(self, is_evictable: Callable[[Key], bool]) -> list[str]:
         problems: list[str] = []
-        stamps = self._stamps
-        by_last = [key for key in self.resident() if is_evictable(key)]
-        by_code = sorted(by_last, key=stamps.codes.__getitem__)
-        if self.orders() != (by_last, by_code):
+        uses = self._uses
+        by_last = [key for key in uses.by_recency() if is_evictable(key)]
+        by_reuse = [key for key in uses.by_reuse() if is_evictable(key)]
+        if self.orders() != (by_last, by_reuse):
             problems.append(f"duel's evictable orders are {self.orders()}, expected {by_last}")
-        if len(stamps.history) > stamps.limit:
+        stamps = uses.stamps
+        if any(stamps[key] & 1 for key in uses.once) or not all(
+            stamps[key] & 1 for key in uses.reused
+        ):
+            problems.append("duel lists a key used once as reused, or the reverse")
+        if len(uses.history) > uses.limit:
             problems.append("duel's history exceeds its bound")
-        if set(stamps.history) & set(stamps.codes):
+        if any(key in uses.stamps for key in uses.history):
             problems.append("a resident key is in duel's history")
         return problems
 
     def _candidates(self, protected: Container[Key]) -> Iterator[Key]:
-        ordered: Any = self._by_reuse if self.follows_reuse else self._by_recency
-        return unprotected(ordered, protected)
+        return unprotected(self._uses.ordered(by_reuse=self.follows_reuse), protected)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -304,20 +325,24 @@ class DuelPolicy(EvictionPolicy):
             ShadowPool(
                 shadow.capacity,
                 shadow.reuse,
-                _spec_uses(shadow.stamps),
+                _spec_uses(shadow.uses),
                 shadow.mask + 1,
                 shadow.clock,
                 shadow.score,
             )
             for shadow in self._shadows
         )
-        return DuelOrder(self.capacity, _spec_uses(self._stamps), (lru, lru2), self._clock)
+        return DuelOrder(self.capacity, _spec_uses(self._uses), (lru, lru2), self._clock)
 
 
-def _spec_uses(stamps: _Lru2Stamps) -> Lru2Uses:
-    """The spec's LRU-2 bookkeeping that ``stamps`` stand for: each code unpacked."""
-    from kvoffload_spec.policies import Lru2Uses
+def _spec_uses(uses: _Uses) -> KeyUses:
+    """The spec's bookkeeping that ``uses`` stands for. A stamp is twice the last use plus
+    the reused bit; the spec keeps a second use's time where this keeps only that bit, and
+    its order reads only whether there is one, so 0 stands for "reused". The history's
+    last uses are likewise only read as "was here": 0 each, in the same order."""
+    from kvoffload_spec.policies import KeyUses
 
-    last = {key: code & _LAST_MASK for key, code in stamps.codes.items()}
-    penult = {key: (code >> _LAST_BITS) - 1 for key, code in stamps.codes.items()}
-    return Lru2Uses(stamps.limit, last, penult, dict(stamps.history))
+    stamps = dict(uses.stamps.items())
+    last = {key: stamp >> 1 for key, stamp in stamps.items()}
+    penult = {key: 0 if stamp & 1 else -1 for key, stamp in stamps.items()}
+    return KeyUses(uses.limit, last, penult, dict.fromkeys(uses.history, 0))

@@ -1,0 +1,272 @@
+"""The dueling policy against the spec's ``DuelOrder``, outside the manager.
+
+The differential test reaches ``duel`` only through the manager, whose shadows almost
+never lead by exactly the other's score, and never looks at what ``check_invariants`` says
+about a broken duel. So here: the policy and the spec's order fed every history of the
+policy interface (both orders leading, longer touches than the pool holds); the shadows'
+stores, refusals and histories on hand-made requests; and each of ``check_invariants``'s
+reports on a corrupted policy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections.abc import Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, rule, run_state_machine_as_test
+
+from kvoffload.policies.duel import HISTORY, DuelPolicy, stable_hash
+from kvoffload_spec.policies import DUEL_DECAY, DuelOrder, sample_hash
+from kvoffload_spec.surface import Key
+from tests.test_manager_mutants import CAPACITY, KEYS, PolicyAgainstSpec
+
+
+class DuelAgainstSpec(PolicyAgainstSpec):
+    def __init__(self) -> None:
+        super().__init__()
+        self.duel = self.policy = DuelPolicy(CAPACITY)
+        self.duel_order = self.order = DuelOrder.empty(CAPACITY)
+
+    @rule(lead=st.sampled_from(["lru", "reuse", "tie"]))
+    def set_lead(self, lead: str) -> None:
+        """Scores set outright, so that either order (or the tie) picks the next victims."""
+        scores = {"lru": (2.0, 1.0), "reuse": (1.0, 2.0), "tie": (1.0, 1.0)}[lead]
+        for shadow, score in zip(self.duel._shadows, scores, strict=True):
+            shadow.score = score
+        for pool, score in zip(self.duel_order.shadows, scores, strict=True):
+            pool.score = score
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=CAPACITY + 1, max_size=len(KEYS)))
+    def touch_more_than_fits(self, keys: list[int]) -> None:
+        """A request longer than the pool: the shadows refuse its store."""
+        self.duel.touch(keys, self.ready)
+        self.duel_order.touch(keys, self.ready)
+
+    @invariant()
+    def same_state(self) -> None:
+        assert self.duel.snapshot() == self.duel_order.snapshot()
+        assert self.duel.follows_reuse == self.duel_order.follows_reuse
+
+
+def test_duel_policy_is_the_spec_order() -> None:
+    run_state_machine_as_test(DuelAgainstSpec)
+
+
+def always(_: Key) -> bool:
+    return True
+
+
+def filled(keys: list[Key], capacity: int = CAPACITY) -> tuple[DuelPolicy, DuelOrder]:
+    """A policy and the spec's order holding ``keys``, each stored and ready."""
+    policy, order = DuelPolicy(capacity), DuelOrder.empty(capacity)
+    for key in keys:
+        policy.insert(key)
+        policy.mark_evictable(key)
+        order.insert(key)
+    return policy, order
+
+
+def test_the_reuse_order_puts_keys_used_once_first_each_part_by_last_use() -> None:
+    policy, order = filled(["a", "b", "c", "d"], capacity=4)
+    policy.touch(["c", "a"], always)  # a and c used again: a is touched last, most recent
+    order.touch(["c", "a"], always)
+    assert policy.orders() == (["b", "d", "a", "c"], ["b", "d", "a", "c"])
+    policy.touch(["b"], lambda key: False)  # pending when touched: recency, not reuse
+    assert policy.orders() == (["d", "a", "c", "b"], ["d", "b", "a", "c"])
+    policy.touch(["d"], always)
+    assert policy.orders() == (["a", "c", "b", "d"], ["b", "a", "c", "d"])
+    policy.mark_unevictable("a")  # pinned: out of both orders, back in its place after
+    assert policy.orders() == (["c", "b", "d"], ["b", "c", "d"])
+    policy.mark_evictable("a")
+    assert policy.orders() == (["a", "c", "b", "d"], ["b", "a", "c", "d"])
+
+
+def test_victims_follow_the_leading_shadow_and_lru_on_a_tie() -> None:
+    policy, _ = filled(["a", "b"], capacity=4)
+    policy.touch(["a"], always)  # reused, and now more recent than b
+    for key in ("c", "d"):
+        policy.insert(key)
+        policy.mark_evictable(key)
+    lru, reuse = policy._shadows
+    assert policy.orders() == (["b", "a", "c", "d"], ["b", "c", "d", "a"])
+    assert policy.choose_victims(2, ()) == ["b", "a"]  # LRU
+    assert policy.choose_victims(2, {"b"}) == ["a", "c"]
+    reuse.score = lru.score + 1
+    assert (policy.follows_reuse, policy.scores) == (True, (lru.score, lru.score + 1))
+    assert policy.choose_victims(2, ()) == ["b", "c"]
+    assert policy.choose_victims(3, {"c"}) == ["b", "d", "a"]
+    assert policy.choose_victims(4, {"a"}) is None
+    lru.score = reuse.score
+    assert (policy.follows_reuse, policy.scores) == (False, (reuse.score, reuse.score))
+    assert policy.choose_victims(2, ()) == ["b", "a"]
+
+
+def test_the_policy_knows_its_capacity_and_its_shadows_theirs() -> None:
+    policy = DuelPolicy(8192)
+    assert policy.capacity == 8192
+    assert [(shadow.capacity, shadow.mask, shadow.reuse) for shadow in policy._shadows] == [
+        (1024, 7, False),
+        (1024, 7, True),
+    ]
+    assert [shadow.uses.limit for shadow in policy._shadows] == [0, HISTORY * 1024]
+    assert policy._uses.limit == HISTORY * 8192
+
+
+class OddRepr:
+    """A key whose repr is not valid UTF-8 on its own (a lone surrogate)."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return "k\udc80"
+
+
+def test_a_key_whose_repr_cannot_be_encoded_is_hashed_with_escapes() -> None:
+    assert stable_hash(OddRepr()) == sample_hash(OddRepr()) == zlib.crc32(b"k\\udc80")
+
+
+def test_an_evicted_key_stored_again_is_reused_while_the_history_remembers_it() -> None:
+    capacity = 2
+    policy, _ = filled(["a", "b"], capacity)
+    policy.evict(["a"])
+    assert list(policy._uses.history) == ["a"]
+    policy.insert("a")
+    policy.mark_evictable("a")
+    assert policy.orders()[1] == ["b", "a"]  # a counts as reused: b goes first
+    assert list(policy._uses.history) == []
+    bound = HISTORY * capacity
+    gone = [f"g{i}" for i in range(bound + 1)]
+    for key in gone:
+        policy.insert(key)
+        policy.mark_evictable(key)
+        policy.evict([key])
+    assert list(policy._uses.history) == gone[1:]  # the oldest is forgotten first
+    policy.insert(gone[0])
+    policy.mark_evictable(gone[0])
+    assert policy.orders()[1] == ["b", gone[0], "a"]  # forgotten: used once
+    policy.insert(gone[1])
+    policy.mark_evictable(gone[1])
+    assert policy.orders()[1] == ["b", gone[0], "a", gone[1]]  # remembered: reused
+
+
+def test_a_failed_store_leaves_no_history() -> None:
+    policy = DuelPolicy(CAPACITY)
+    policy.insert("a")
+    policy.remove("a")
+    policy.insert("a")
+    policy.mark_evictable("a")
+    assert list(policy._uses.history) == [] and policy.orders() == (["a"], ["a"])
+
+
+def test_a_shadow_scores_the_longest_resident_prefix_and_decays() -> None:
+    policy, order = DuelPolicy(4), DuelOrder.empty(4)
+    for request in (["a", "b", "c"], ["a", "b", "x"], ["z", "a"], ["a", "b", "x", "y"]):
+        policy.touch(request, always)
+        order.touch(request, always)
+    hits = [0, 2, 0, 3]  # the second request's "x", the third's "z" were missing
+    expected = 0.0
+    for count in hits:
+        expected = expected * DUEL_DECAY + count
+    assert policy.scores[0] == expected == order.shadows[0].score
+    assert policy.snapshot() == order.snapshot()
+
+
+def test_a_shadow_refuses_a_store_that_cannot_fit_and_still_counts_the_touch() -> None:
+    policy, order = DuelPolicy(2), DuelOrder.empty(2)
+    steps = (["a", "b"], ["a", "b", "c"], ["b", "a"], ["c", "d"], ["d", "a", "b"])
+    for request in steps:
+        policy.touch(request, always)
+        order.touch(request, always)
+        assert policy.snapshot() == order.snapshot(), request
+    lru, reuse = policy._shadows
+    # ["a", "b", "c"] did not fit: "a" and "b" were touched again (so reused), "c" never
+    # stored; ["c", "d"] then evicted both; ["d", "a", "b"] did not fit either.
+    assert lru.order() == ["c", "d"] and reuse.order() == ["c", "d"]
+    assert list(reuse.uses.history) == ["a", "b"] and list(lru.uses.history) == []
+
+
+def test_the_shadows_keep_only_the_sampled_keys_in_a_smaller_pool() -> None:
+    capacity = 4096  # one key in four
+    policy, order = DuelPolicy(capacity), DuelOrder.empty(capacity)
+    keys = list(range(3000))
+    policy.touch(keys, always)
+    order.touch(keys, always)
+    lru, reuse = policy._shadows
+    assert lru.capacity == reuse.capacity == 1024 and lru.mask == 3
+    sampled = lru.order()
+    assert sampled == [key for key in reversed(keys) if key in order.shadows[0].uses.last]
+    assert 0 < len(sampled) <= 1024 and reuse.order() == reuse.uses.by_recency()
+    assert policy.snapshot() == order.snapshot()
+
+
+def test_clear_forgets_keys_histories_and_scores() -> None:
+    policy, _ = filled(["a", "b", "c"])
+    policy.touch(["a", "b"], always)
+    policy.touch(["a", "b"], always)
+    policy.evict(["c"])
+    policy.clear()
+    assert policy.snapshot() == ([], [], [], [[], []], [[], []], (0.0, 0.0))
+    policy.insert("c")
+    policy.mark_evictable("c")
+    assert policy.orders() == (["c"], ["c"]) and policy.check_invariants(always) == []
+
+
+# -- what check_invariants says about a broken duel -------------------------------------------
+
+
+def broken(corrupt: Callable[[DuelPolicy], None]) -> list[str]:
+    policy, _ = filled(["a", "b", "c"])
+    policy.touch(["b"], always)
+    policy.evict(["a"])
+    assert policy.check_invariants(lambda key: key != "a") == []
+    corrupt(policy)
+    return policy.check_invariants(lambda key: key != "a")
+
+
+def test_a_key_in_the_wrong_list_is_reported() -> None:
+    def swap(policy: DuelPolicy) -> None:
+        uses = policy._uses
+        uses.reused.remove("b")
+        uses.stamps["b"] -= 1  # used once, as far as the stamp says, but listed as reused
+        uses.reused.add("b")
+
+    assert broken(swap) == ["duel lists a key used once as reused, or the reverse"]
+
+
+def test_a_reused_key_among_the_keys_used_once_is_reported() -> None:
+    def swap(policy: DuelPolicy) -> None:
+        uses = policy._uses
+        uses.once.remove("c")
+        uses.stamps["c"] += 1
+        uses.once.add("c")
+
+    assert broken(swap) == ["duel lists a key used once as reused, or the reverse"]
+
+
+def test_an_evictable_key_missing_from_its_list_is_reported() -> None:
+    problems = broken(lambda policy: policy._uses.once.remove("c"))
+    assert problems == ["duel's evictable orders are (['b'], ['b']), expected ['c', 'b']"]
+
+
+def test_an_overfull_history_is_reported() -> None:
+    def overfill(policy: DuelPolicy) -> None:
+        for key in itertools.islice(itertools.count(100), policy._uses.limit):
+            policy._uses.history.append(key)
+
+    assert broken(overfill) == ["duel's history exceeds its bound"]
+
+
+def test_a_full_history_is_not_overfull() -> None:
+    def fill(policy: DuelPolicy) -> None:
+        for key in itertools.islice(itertools.count(100), policy._uses.limit - 1):
+            policy._uses.history.append(key)
+
+    assert broken(fill) == []
+
+
+def test_a_resident_key_in_the_history_is_reported() -> None:
+    problems = broken(lambda policy: policy._uses.history.append("b"))
+    assert problems == ["a resident key is in duel's history"]
