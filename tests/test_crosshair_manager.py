@@ -32,8 +32,8 @@ from kvoffload.contracts import CHECKS, ArcChecks, CheckedManager, DuelChecks, F
 from kvoffload_spec.operations import COMPLETE_LOAD
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
 from kvoffload_spec.validation import check_flag
+from tests.crosshair_runs import Run, crosshair_all
 from tests.progress import progress
-from tests.test_crosshair import Run, crosshair_all
 
 pytestmark = pytest.mark.slow  # minutes of CrossHair: the full gate, not the inner loop
 

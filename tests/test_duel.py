@@ -20,7 +20,7 @@ from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 from kvoffload.policies.duel import HISTORY, DuelPolicy, stable_hash
 from kvoffload_spec.policies import DUEL_DECAY, DuelOrder, sample_hash
 from kvoffload_spec.surface import Key
-from tests.test_manager_mutants import CAPACITY, KEYS, PolicyAgainstSpec
+from tests.policy_machine import CAPACITY, KEYS, PolicyAgainstSpec
 
 
 class DuelAgainstSpec(PolicyAgainstSpec):

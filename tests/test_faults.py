@@ -31,9 +31,9 @@ from kvoffload.transfer.jobs import FaultHook, Job, JobResult
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import PlanAlreadyCompletedError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
+from tests.caches import make_cache, reference_block
 from tests.helpers import every_field
 from tests.planted import FAULTS, ManagerBug, Planted, share
-from tests.test_layout import make_cache, reference_block
 
 HOLD = 60.0  # seconds a stalled job waits at most, so a broken test cannot hang forever
 

@@ -19,9 +19,6 @@ from collections.abc import Callable, Container, Sequence
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -41,114 +38,7 @@ from kvoffload_spec.errors import (
 )
 from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
 from kvoffload_spec.surface import Key, LoadPlan, StorePlan
-
-CAPACITY = 3  # ghosts are trimmed to this
-KEYS = list(range(5))  # more than CAPACITY: ghosts, and touches of absent keys
-
-# -- each policy against the spec's order, on any history of its interface --------------------
-
-
-class PolicyAgainstSpec(RuleBasedStateMachine):
-    """A policy and the spec's order, fed the same calls. ``status`` is what the manager
-    would know of each resident key: "pending", "ready" (evictable) or "pinned". Each rule
-    applies only where it has a key to act on, so that no step is wasted.
-    """
-
-    policy: EvictionPolicy
-    order: PolicyOrder
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.status: dict[Key, str] = {}
-
-    def evictable(self, key: Key) -> bool:
-        return self.status.get(key) == "ready"
-
-    def ready(self, key: Key) -> bool:
-        return self.status.get(key) in ("ready", "pinned")
-
-    def keys_in(self, *states: str) -> list[Key]:
-        return [key for key, status in self.status.items() if status in states]
-
-    def pick(self, data: st.DataObject, *states: str) -> Key:
-        return data.draw(st.sampled_from(self.keys_in(*states)))
-
-    @precondition(lambda self: len(self.status) < len(KEYS))
-    @rule(data=st.data())
-    def insert(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from([key for key in KEYS if key not in self.status]))
-        self.policy.insert(key)
-        self.order.insert(key)
-        self.status[key] = "pending"
-
-    @precondition(lambda self: self.keys_in("pending"))
-    @rule(data=st.data())
-    def store_completes(self, data: st.DataObject) -> None:
-        key = self.pick(data, "pending")
-        self.policy.mark_evictable(key)
-        self.status[key] = "ready"
-
-    @precondition(lambda self: self.keys_in("ready"))
-    @rule(data=st.data())
-    def pin(self, data: st.DataObject) -> None:
-        key = self.pick(data, "ready")
-        self.policy.mark_unevictable(key)
-        self.status[key] = "pinned"
-
-    @precondition(lambda self: self.keys_in("pinned"))
-    @rule(data=st.data())
-    def unpin(self, data: st.DataObject) -> None:
-        key = self.pick(data, "pinned")
-        self.policy.mark_evictable(key)
-        self.status[key] = "ready"
-
-    @precondition(lambda self: self.keys_in("pending", "pinned"))
-    @rule(data=st.data())
-    def remove(self, data: st.DataObject) -> None:
-        """Any key that is not evictable: pending, or pinned (the interface allows it,
-        though the manager only removes keys whose store failed).
-        """
-        key = self.pick(data, "pending", "pinned")
-        self.policy.remove(key)
-        self.order.remove(key)
-        del self.status[key]
-
-    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3))
-    def touch(self, keys: list[int]) -> None:
-        self.policy.touch(keys, self.ready)
-        self.order.touch(keys, self.ready)
-
-    @rule(need=st.integers(1, 3), protected=st.sets(st.sampled_from(KEYS), max_size=2))
-    def evict(self, need: int, protected: set[int]) -> None:
-        chosen = self.policy.choose_victims(need, protected)
-        expected = self.order.choose_victims(
-            need, lambda key: self.evictable(key) and key not in protected
-        )
-        assert chosen == expected
-        if chosen is not None:
-            self.policy.evict(chosen)
-            self.order.evict(chosen)
-            for victim in chosen:
-                del self.status[victim]
-
-    @precondition(lambda self: len(self.status) == len(KEYS))  # rarely: it wipes the state
-    @rule()
-    def clear(self) -> None:
-        self.policy.clear()
-        self.order.clear()
-        self.status.clear()
-
-    @invariant()
-    def agree(self) -> None:
-        stands_for(self.policy, self.order)
-        assert self.policy.check_invariants(self.evictable) == []
-
-
-def stands_for(policy: EvictionPolicy, order: PolicyOrder) -> None:
-    """The policy's structures stand for exactly ``order``: its abstraction has the spec
-    order's fingerprint (LRU: the order; ARC: T1, T2, B1, B2 in order, and ``p``)."""
-    mine = policy.abstract_order()
-    assert mine is not None and mine.fingerprint() == order.fingerprint(), (mine, order)
+from tests.policy_machine import CAPACITY, PolicyAgainstSpec, stands_for
 
 
 class LruAgainstSpec(PolicyAgainstSpec):
@@ -628,7 +518,10 @@ CORRUPTIONS = [
         corrupt_abandoned_load_quarantines,
         r"abandoned plan \d+ is not an open store plan: LoadPlan\(.*\)",
     ),
-    (corrupt_quarantine_outside_plan, r"abandoned plan StorePlan\(.*\) quarantines block ids \[4\]"),
+    (
+        corrupt_quarantine_outside_plan,
+        r"abandoned plan StorePlan\(.*\) quarantines block ids \[4\]",
+    ),
     (corrupt_plan_never_issued, r"an open plan has an id that was never issued"),
     (corrupt_plan_from_the_future, r"an open plan belongs to a future generation"),
     (corrupt_pending_elsewhere, r"3 is pending on plan 99, which is not open now"),

@@ -17,7 +17,7 @@ from kvoffload.transfer import EngineClosedError
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotFoundError, BlockPendingError, InvalidArgumentError
 from kvoffload_spec.surface import Lookup, ManagerOperations, ManagerSurface
-from tests.test_layout import DEVICES, make_cache, reference_block
+from tests.caches import DEVICES, make_cache, reference_block
 
 
 def build(

@@ -45,7 +45,7 @@ from kvoffload_spec.operations import (
     Operation,
 )
 from kvoffload_spec.surface import Key, Lookup, Plan, StorePlan
-from tests.test_layout import CUDA, DTYPES, KINDS, make_cache, reference_block
+from tests.caches import CUDA, DTYPES, KINDS, make_cache, reference_block
 
 pytestmark = pytest.mark.slow  # an end-to-end machine over real tensors
 

@@ -62,3 +62,15 @@ def test_the_manager_does_not_load_the_spec_state_machine() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_no_test_module_imports_another() -> None:
+    """What several test modules share lives in helper modules (tests/helpers.py,
+    tests/caches.py, tests/planted/, ...), so each test file stands on its own."""
+    offenders = [
+        f"{path.name}: {line.strip()}"
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if re.match(r"\s*(from tests\.test_\w+ import|import tests\.test_)", line)
+    ]
+    assert offenders == []

@@ -29,7 +29,7 @@ from kvoffload.transfer.gather import ThresholdCopier
 from kvoffload.transfer.jobs import FaultHook, Job
 from kvoffload.transfer.runs import BlockMapping, CopyRuns, IdArray
 from kvoffload_spec.errors import InvalidArgumentError
-from tests.test_layout import CUDA, DEVICES, DTYPES, KINDS, make_cache, reference_block
+from tests.caches import CUDA, DEVICES, DTYPES, KINDS, make_cache, reference_block
 
 # (copier, threaded): the fast CPU path, the two paths CUDA uses (per-run copies, and the
 # staging buffer of small runs), and worker threads
