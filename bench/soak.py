@@ -37,9 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvoffload.checking.lockstep import Divergence, Lockstep
 from kvoffload.manager import OffloadManager
 from kvoffload_spec import OffloadModel
-from kvoffload_spec.lockstep import Divergence, Lockstep
 from kvoffload_spec.operations import (
     ABANDON,
     COMPLETE_LOAD,

@@ -26,6 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import Offloader
+from kvoffload.checking.lockstep import Divergence, Lockstep, StandIn
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.transfer import (
@@ -46,7 +47,6 @@ from kvoffload_spec.errors import (
     PlanAlreadyCompletedError,
     UnknownPolicyError,
 )
-from kvoffload_spec.lockstep import Divergence, Lockstep, StandIn
 from kvoffload_spec.operations import (
     ABANDON,
     AGAIN,

@@ -11,7 +11,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import Phase, settings
 
-from kvoffload.conformance import ConformanceError, check_conformance, check_directed_histories
+from kvoffload.checking.conformance import (
+    ConformanceError,
+    check_conformance,
+    check_directed_histories,
+)
 from kvoffload_spec.explore import explore
 from kvoffload_spec.tiers import TierRules, explore_tiers
 from tests.planted import (

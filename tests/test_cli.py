@@ -302,7 +302,7 @@ def test_verify_passes_a_conforming_policy(policy: str, capsys: pytest.CaptureFi
 
 @pytest.mark.parametrize("budget", [0, -1.0, True, "60"])
 def test_verify_refuses_a_budget_that_is_not_a_positive_number(budget: object) -> None:
-    from kvoffload.verify import verify
+    from kvoffload.checking.verify import verify
 
     with pytest.raises(InvalidArgumentError, match="budget_s"):
         verify("lru", budget_s=budget)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""CrossHair checks the contracts of ``kvoffload.contracts`` on the production manager.
+"""CrossHair checks the contracts of ``kvoffload.checking.contracts`` on the production manager.
 
 One ``crosshair check --analysis_kind=asserts`` per target (a ``check_*`` method of
 ``LruChecks``, ``ArcChecks`` or ``DuelChecks``: one operation, checked as the commuting
@@ -28,7 +28,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import contracts
-from kvoffload.contracts import CHECKS, ArcChecks, CheckedManager, DuelChecks, Fate, LruChecks
+from kvoffload.checking.contracts import (
+    CHECKS,
+    ArcChecks,
+    CheckedManager,
+    DuelChecks,
+    Fate,
+    LruChecks,
+)
 from kvoffload_spec.operations import COMPLETE_LOAD
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
 from kvoffload_spec.validation import check_flag
@@ -43,7 +50,7 @@ LAST_POSTCONDITION = "    assert manager.invariants_hold()\n\n\n"
 CLASSES = (LruChecks, ArcChecks, DuelChecks)
 
 
-def targets(module: str = "kvoffload.contracts") -> list[str]:
+def targets(module: str = "kvoffload.checking.contracts") -> list[str]:
     return [f"{module}.{cls.__name__}.{check}" for cls in CLASSES for check in CHECKS]
 
 

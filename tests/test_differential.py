@@ -14,7 +14,7 @@ import functools
 import pytest
 from hypothesis import settings
 
-from kvoffload.conformance import (
+from kvoffload.checking.conformance import (
     ManagerFactory,
     check_conformance,
     check_directed_histories,

@@ -365,7 +365,7 @@ def assert_reads_as_a_history(text: str) -> list[str]:
 def test_a_conformance_failure_is_the_history_of_manager_calls_and_the_two_results() -> None:
     from hypothesis import Phase, settings
 
-    from kvoffload.conformance import ConformanceError, check_conformance
+    from kvoffload.checking.conformance import ConformanceError, check_conformance
     from kvoffload.manager import OffloadManager
 
     quick = settings(max_examples=2000, database=None, deadline=None)

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import pytest
 
+from kvoffload.checking.lockstep import DictatedOrder, Divergence, Lockstep
 from kvoffload.manager import OffloadManager
 from kvoffload_spec import InvalidArgumentError, OffloadModel, PlanAlreadyCompletedError, StorePlan
-from kvoffload_spec.lockstep import DictatedOrder, Divergence, Lockstep
 from kvoffload_spec.operations import (
     ABANDON,
     AGAIN,

@@ -31,10 +31,10 @@ from hypothesis.stateful import (
 )
 
 from kvoffload import Finished, Offloader
+from kvoffload.checking.lockstep import Lockstep
 from kvoffload.manager import OffloadManager
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotReadyError
-from kvoffload_spec.lockstep import Lockstep
 from kvoffload_spec.operations import (
     COMPLETE_LOAD,
     COMPLETE_STORE,

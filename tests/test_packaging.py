@@ -40,7 +40,7 @@ def test_the_product_imports_no_checker() -> None:
         "import sys\n"
         "from kvoffload import OffloadManager, Offloader\n"
         "checkers = ('hypothesis', 'crosshair', 'kvoffload_spec.explore',"
-        " 'kvoffload.conformance', 'kvoffload.contracts')\n"
+        " 'kvoffload.checking', 'kvoffload.conformance')\n"
         "print(sorted(m for m in sys.modules if m.startswith(checkers)))\n"
     )
     done = subprocess.run(
@@ -55,7 +55,7 @@ def test_the_manager_does_not_load_the_spec_state_machine() -> None:
     probe = (
         "import sys\n"
         "import kvoffload.manager\n"
-        "machine = ('kvoffload_spec.model', 'kvoffload_spec.state', 'kvoffload_spec.lockstep')\n"
+        "machine = ('kvoffload_spec.model', 'kvoffload_spec.state', 'kvoffload.checking')\n"
         "print(sorted(m for m in sys.modules if m.startswith(machine)))\n"
     )
     done = subprocess.run(

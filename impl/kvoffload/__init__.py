@@ -37,7 +37,7 @@ from kvoffload_spec.surface import (
 
 if TYPE_CHECKING:
     pass  # each lazily exported name is imported here for type checkers
-    from kvoffload.conformance import check_conformance as check_conformance
+    from kvoffload.checking.conformance import check_conformance as check_conformance
     from kvoffload.manager import OffloadManager as OffloadManager
     from kvoffload.offloader import Finished as Finished
     from kvoffload.offloader import Offloader as Offloader
@@ -67,7 +67,7 @@ _LAZY: dict[str, str] = {
     "PolicyContractError": "kvoffload.policies.base",
     "TransferEngine": "kvoffload.transfer",
     "TransferTimeoutError": "kvoffload.transfer",
-    "check_conformance": "kvoffload.conformance",
+    "check_conformance": "kvoffload.checking.conformance",
 }
 
 

@@ -22,10 +22,10 @@ from kvoffload_spec.errors import InvalidArgumentError, OffloadError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from kvoffload.checking.verify import VerifyReport
     from kvoffload.simulate import SimulationReport
     from kvoffload.sweep import SweepResult
     from kvoffload.traces import Trace
-    from kvoffload.verify import VerifyReport
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # a user error (bad trace, size, policy) or a verification that failed
@@ -386,7 +386,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    from kvoffload.verify import verify
+    from kvoffload.checking.verify import verify
 
     console = _console(stderr=True)
     with _progress(console, enabled=not args.json) as progress:

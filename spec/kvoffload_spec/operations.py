@@ -1,7 +1,7 @@
 """The manager's operations as data: one :class:`Operation` is one call on the surface.
 
 Every checker speaks this one type: the explorer enumerates operations, the lockstep driver
-(:mod:`kvoffload_spec.lockstep`) applies each to a system under test and to the model, the
+(:mod:`kvoffload.checking.lockstep`) applies each to a system under test and to the model, the
 conformance kit and the soak test draw them at random. :func:`perform` is the one place that
 turns an operation into a call, so a new operation is taught to every checker here.
 

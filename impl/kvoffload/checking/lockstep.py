@@ -14,8 +14,9 @@ For a policy the spec does not know, ``dictated=True`` makes the model evict exa
 the system evicted, once checked legal (:class:`DictatedOrder`); everything else (block ids,
 states, counters, events, errors) must still be exactly the spec's.
 
-The conformance kit, the soak test, the Offloader's state machine, the bad-input suite, the
-mutant hunts and the CrossHair contracts all drive systems through this class.
+The conformance kit, the soak test, the Offloader's state machine, the bad-input suite and
+the CrossHair contracts all drive systems through this class (the policy-level machines of
+the mutant hunts, which call a bare policy, compare through the same abstraction).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The policy runs inside the production ``OffloadManager``, which is checked two w
    blocks reaches with keys a, b, c, d in a few calls, each call checked (invariants, what the
    plans predict, events, failed calls changing nothing, every load reading its own
    bytes), breadth first, so a violation comes with a shortest history;
-2. **conformance** (:mod:`kvoffload.conformance`): the manager and the spec's
+2. **conformance** (:mod:`kvoffload.checking.conformance`): the manager and the spec's
    ``OffloadModel`` side by side on random histories, in rounds, until the time budget is
    spent.
 
@@ -29,7 +29,7 @@ from kvoffload_spec.policies import POLICY_NAMES
 from kvoffload_spec.validation import check_seconds
 
 if TYPE_CHECKING:
-    from kvoffload.conformance import ManagerLike
+    from kvoffload.checking.conformance import ManagerLike
     from kvoffload.policies.base import EvictionPolicy
 
 EXPLORE_BLOCKS = 2
@@ -169,7 +169,7 @@ def _conformance(
     import hypothesis
     from hypothesis import Phase
 
-    from kvoffload.conformance import check_conformance
+    from kvoffload.checking.conformance import check_conformance
     from kvoffload.manager import OffloadManager
 
     def make_manager(
@@ -237,7 +237,7 @@ def _hypothesis_files_elsewhere() -> Iterator[None]:
 def _describe(failure: AssertionError) -> str:
     """The failing history: the kit's own words (numbered manager calls, the results that
     differed), or, for any other assertion, the failure and what Hypothesis attached."""
-    from kvoffload.conformance import ConformanceError
+    from kvoffload.checking.conformance import ConformanceError
 
     if isinstance(failure, ConformanceError):
         return str(failure)

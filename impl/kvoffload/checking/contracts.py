@@ -26,7 +26,7 @@ invariants would have to filter out (a vacuous pass). Check one method at a time
 tiny capacities::
 
     crosshair check --analysis_kind=asserts --per_condition_timeout=5 \\
-        kvoffload.contracts.LruChecks.check_prepare_store
+        kvoffload.checking.contracts.LruChecks.check_prepare_store
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from __future__ import annotations
 import enum
 from typing import ClassVar
 
+from kvoffload.checking.lockstep import Lockstep, agree
 from kvoffload.manager import OffloadManager
 from kvoffload_spec.errors import SpecViolation
-from kvoffload_spec.lockstep import Lockstep, agree
 from kvoffload_spec.operations import (
     ABANDON,
     ABANDON_AGAIN,
