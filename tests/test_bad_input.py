@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import math
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -61,8 +61,9 @@ from kvoffload_spec.operations import (
     Operation,
 )
 from kvoffload_spec.refinement import abstract
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, PlanT, StorePlan
+from kvoffload_spec.surface import LoadPlan, Lookup, Plan, PlanT, StorePlan
 from tests.helpers import every_field
+from tests.planted import REFUSALS, ManagerBug, Planted, share
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
 
@@ -412,20 +413,13 @@ def test_the_manager_refuses_a_bad_age_of_stalled_plans_alike(seconds: object, p
     driver.check()
 
 
-class RefusedTouchStillTouches(OffloadManager):
-    """A planted bug: touches the keys before the first unhashable one, then refuses."""
-
-    def touch(self, keys: Sequence[Key]) -> None:
-        if isinstance(keys, list):
-            super().touch(list(itertools.takewhile(lambda key: isinstance(key, Hashable), keys)))
-        super().touch(keys)
-
-
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_a_refused_call_that_changes_the_order_is_caught(policy: str) -> None:
+@pytest.mark.parametrize("bug", share(REFUSALS), ids=lambda bug: bug.name)
+def test_refusals_find_their_share_of_the_catalogue(bug: Planted, policy: str) -> None:
     """What a walk over the manager's fields missed (a policy has no slots to walk): the
     driver compares the abstraction, the policy's order included."""
-    driver, _ = world(policy, RefusedTouchStillTouches)
+    assert isinstance(bug.subject, ManagerBug) and issubclass(bug.subject.broken, OffloadManager)
+    driver, _ = world(policy, bug.subject.broken)
     with pytest.raises(Divergence, match="the refused call changed the manager's abstract"):
         driver.refuse(Operation(TOUCH, argument=["a", []]))
 

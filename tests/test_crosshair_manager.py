@@ -19,15 +19,14 @@ contract that a correct manager fails before CrossHair has to.
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Container, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload import contracts
+from kvoffload.checking import contracts
 from kvoffload.checking.contracts import (
     CHECKS,
     ArcChecks,
@@ -37,9 +36,16 @@ from kvoffload.checking.contracts import (
     LruChecks,
 )
 from kvoffload_spec.operations import COMPLETE_LOAD
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, StorePlan
-from kvoffload_spec.validation import check_flag
+from kvoffload_spec.surface import Lookup
 from tests.crosshair_runs import Run, crosshair_all
+from tests.planted import MANAGER_CROSSHAIR, CrossHairTarget, share
+from tests.planted.crosshair_manager import (
+    AbandonFreesSlotsAtOnce,
+    CounterNotRestoredOnLoad,
+    EvictsBeforeGivingUp,
+    EvictsTheNewest,
+    StaleStoreCompletionApplied,
+)
 from tests.progress import progress
 
 pytestmark = pytest.mark.slow  # minutes of CrossHair: the full gate, not the inner loop
@@ -65,102 +71,11 @@ def write_canaries(directory: Path) -> str:
     return "canary_manager_contracts"
 
 
-# -- planted bugs ----------------------------------------------------------------------------
-# Each binds only the check that must catch it, to a CheckedManager (not to LruChecks: a
-# check inherited and bound again would be analysed twice).
-
-
-class CounterNotRestoredOnLoad(CheckedManager):
-    """complete_load makes the block evictable but forgets the counter (LMCache #987)."""
-
-    POLICY = "lru"
-    check_complete_load = contracts.check_complete_load
-
-    def _unpin(self, key: Key) -> None:
-        slot = self._slot_of[key]
-        self._refs[slot] -= 1
-        if not self._refs[slot]:
-            self._policy.mark_evictable(key)
-
-
-class EvictsBeforeGivingUp(CheckedManager):
-    """Evicts what it can before finding out it cannot make room: a failed prepare_store
-    that changed the cache.
-    """
-
-    POLICY = "arc"
-    check_prepare_store = contracts.check_prepare_store
-
-    def _make_room(self, count: int, protected: Container[Key]) -> list[Key] | None:
-        need = count - self.num_free_blocks
-        if 0 < self.num_evictable_blocks < need:
-            victims = self._policy.choose_victims(self.num_evictable_blocks, protected)
-            self._evict(victims or [])
-            return None
-        return super()._make_room(count, protected)
-
-
-class StaleStoreCompletionApplied(CheckedManager):
-    """The ABA hazard (vLLM #48090): a store plan made before reset_cache marks ready a key
-    stored again since, whose new store job has not written it yet.
-    """
-
-    POLICY = "lru"
-    check_complete_store = contracts.check_complete_store
-
-    def complete_store(self, plan: StorePlan, success: bool = True) -> None:
-        check_flag("success", success)
-        plan = self._close(plan, StorePlan)
-        done = [key for key in plan.keys if key in self._storing]  # by key, not by plan
-        for key in done:
-            del self._storing[key]
-        if success:
-            self._mark_stored(done)
-        else:
-            self._drop_failed(done)
-
-
-class AbandonFreesSlotsAtOnce(CheckedManager):
-    """Abandoning a store hands its slots out again at once, though the stalled job may
-    still write them: a later store there would be overwritten by the late job.
-    """
-
-    POLICY = "arc"
-    check_abandon = contracts.check_abandon
-
-    def abandon(self, plan: StorePlan | LoadPlan) -> None:
-        super().abandon(plan)
-        for slot in self._abandoned[plan.plan_id]:
-            heapq.heappush(self._freed, slot)
-        self._abandoned[plan.plan_id] = ()
-
-
-class EvictsTheNewest(CheckedManager):
-    """Under LRU, evicts the most recently used evictable blocks, not the least: legal
-    victims, the wrong ones (which victims, the hand-written postconditions never said).
-    """
-
-    POLICY = "lru"
-    check_prepare_store = contracts.check_prepare_store
-
-    def _make_room(self, count: int, protected: Container[Key]) -> list[Key] | None:
-        victims = super()._make_room(count, protected)
-        if not victims:
-            return victims
-        newest = [
-            key
-            for key in reversed(self._policy.resident())
-            if self._is_evictable(key) and key not in protected
-        ]
-        return newest[: len(victims)]
-
-
+# The planted bugs CrossHair must refute: its share of the catalogue (tests/planted/).
 PLANTED = {
-    f"{__name__}.CounterNotRestoredOnLoad.check_complete_load": CounterNotRestoredOnLoad,
-    f"{__name__}.EvictsBeforeGivingUp.check_prepare_store": EvictsBeforeGivingUp,
-    f"{__name__}.StaleStoreCompletionApplied.check_complete_store": StaleStoreCompletionApplied,
-    f"{__name__}.AbandonFreesSlotsAtOnce.check_abandon": AbandonFreesSlotsAtOnce,
-    f"{__name__}.EvictsTheNewest.check_prepare_store": EvictsTheNewest,
+    bug.subject.target: bug.subject.broken
+    for bug in share(MANAGER_CROSSHAIR)
+    if isinstance(bug.subject, CrossHairTarget)
 }
 
 

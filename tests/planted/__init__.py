@@ -16,6 +16,7 @@ from typing import Any
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload_spec.tiers import TierRules
+from tests.planted import crosshair_manager as broken_contracts
 from tests.planted import manager as broken
 from tests.planted import tiers as broken_tiers
 from tests.planted.spec import VARIANTS, Variant
@@ -27,8 +28,20 @@ DIRECTED = "directed"  # the kit's directed histories alone
 SOAK = "soak"  # bench/soak.py's long random run
 FAULTS = "faults"  # the data path's fault scenario: a stalled store abandoned, the pool reused
 TIERS = "tier explorer"  # exhaustive exploration of the pool with the remote tier (spec)
+MANAGER_CROSSHAIR = "crosshair (manager)"  # the manager's contracts, one commuting square each
+REFUSALS = "refusals"  # a refused call (bad argument) changes nothing, abstraction included
 
-CHECKERS = (EXPLORER, CROSSHAIR, CONFORMANCE, DIRECTED, SOAK, FAULTS, TIERS)
+CHECKERS = (
+    EXPLORER,
+    CROSSHAIR,
+    CONFORMANCE,
+    DIRECTED,
+    SOAK,
+    FAULTS,
+    TIERS,
+    MANAGER_CROSSHAIR,
+    REFUSALS,
+)
 
 
 @dataclass(frozen=True)
@@ -48,10 +61,22 @@ class ManagerBug:
 
 
 @dataclass(frozen=True)
+class CrossHairTarget:
+    """A broken manager whose ``check`` contract CrossHair must refute."""
+
+    broken: type[OffloadManager]
+    check: str
+
+    @property
+    def target(self) -> str:
+        return f"{self.broken.__module__}.{self.broken.__name__}.{self.check}"
+
+
+@dataclass(frozen=True)
 class Planted:
     name: str
     bug: str
-    subject: Variant | ManagerBug | TierRules
+    subject: Variant | ManagerBug | TierRules | CrossHairTarget
     found_by: frozenset[str]
 
 
@@ -146,6 +171,7 @@ _MANAGERS = (
         CONFORMANCE,
     ),
     _entry("a touch counts as an offer", broken.CountsATouchAsAnOffer, "lru", CONFORMANCE),
+    _entry("a refused touch still touches", broken.RefusedTouchStillTouches, "lru", REFUSALS),
 )
 
 _TIERS = tuple(
@@ -160,7 +186,26 @@ _TIERS = tuple(
     )
 )
 
-CATALOGUE: tuple[Planted, ...] = _SPEC + _MANAGERS + _TIERS
+
+def _contract(cls: type[OffloadManager]) -> Planted:
+    checks = [name for name in vars(cls) if name.startswith("check_")]
+    said = " ".join((cls.__doc__ or cls.__name__).split())
+    subject = CrossHairTarget(cls, checks[0])
+    return Planted(cls.__name__, said, subject, frozenset({MANAGER_CROSSHAIR}))
+
+
+_CONTRACTS = tuple(
+    _contract(cls)
+    for cls in (
+        broken_contracts.CounterNotRestoredOnLoad,
+        broken_contracts.EvictsBeforeGivingUp,
+        broken_contracts.StaleStoreCompletionApplied,
+        broken_contracts.AbandonFreesSlotsAtOnce,
+        broken_contracts.EvictsTheNewest,
+    )
+)
+
+CATALOGUE: tuple[Planted, ...] = _SPEC + _MANAGERS + _TIERS + _CONTRACTS
 """Every planted bug, spec copies first."""
 
 

@@ -6,7 +6,8 @@ does not know (the base of one bug, and the kit's example of a user's policy).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+import itertools
+from collections.abc import Callable, Container, Hashable, Sequence
 
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.arc import ArcPolicy
@@ -234,3 +235,12 @@ class CountsATouchAsAnOffer(OffloadManager):
         super().touch(keys)  # type: ignore[arg-type]
         for key in keys:  # type: ignore[attr-defined]
             self._offers[key] = self._offers.get(key, 0) + 1
+
+
+class RefusedTouchStillTouches(OffloadManager):
+    """Touches the keys before the first unhashable one, then refuses."""
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        if isinstance(keys, list):
+            super().touch(list(itertools.takewhile(lambda key: isinstance(key, Hashable), keys)))
+        super().touch(keys)
