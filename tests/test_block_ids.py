@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,11 +28,15 @@ from kvoffload import offloader as offloader_module
 from kvoffload.manager import OffloadManager
 from kvoffload.transfer import CpuBlockPool, KVLayout, TransferEngine
 from kvoffload.transfer import engine as engine_module
-from kvoffload.transfer.copiers import MemmoveCopier
 from kvoffload.transfer.engine import SMALL, CopierName, as_block_ids, require_distinct
-from kvoffload.transfer.runs import IdArray
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
+from tests.planted import BLOCK_IDS, Planted, share
+from tests.planted.block_ids import (
+    PlantedIdBug,
+    bound_off_by_one,
+    distinct_neighbours_only,
+)
 
 DEVICE_BLOCKS = SMALL + 16
 CPU_BLOCKS = SMALL + 8
@@ -347,126 +350,6 @@ def test_the_offloader_checks_each_id_once_and_the_engine_trusts_it(
 # -- planted bugs: each must make the checker above report a problem --------------------------
 
 
-def bound_off_by_one(name: str, ids: object, limit: int) -> IdArray:
-    """Lets ``limit`` itself through: the block just past the pool or the device cache."""
-    return as_block_ids(name, ids, limit + 1)
-
-
-def bound_off_by_one_when_vectorized(name: str, ids: object, limit: int) -> IdArray:
-    """The same slip on the numpy path only (more than ``SMALL`` ids)."""
-    array = as_block_ids(name, ids, limit + 1)
-    if len(array) <= SMALL:
-        return as_block_ids(name, ids, limit)
-    return array
-
-
-def planned_bound_off_by_one(name: str, ids: object, limit: int) -> IdArray:
-    """The slip on CPU ids only: the block ids a manager planned, not the device ids."""
-    return as_block_ids(name, ids, limit + (name == "cpu_block_ids"))
-
-
-def distinct_neighbours_only(name: str, ids: IdArray) -> None:
-    """Compares each id with the next one only: ``[1, 2, 1]`` passes."""
-    if bool((ids[1:] == ids[:-1]).any()):
-        raise InvalidArgumentError(f"{name} are written to and must not repeat")
-
-
-def distinct_neighbours_only_when_short(name: str, ids: IdArray) -> None:
-    """Sorts before comparing neighbours on the numpy path, forgets to on the short one."""
-    if len(ids) <= SMALL:
-        distinct_neighbours_only(name, ids)
-    else:
-        require_distinct(name, ids)
-
-
-def copier_bound_off_by_one(self: MemmoveCopier, runs: Any) -> None:
-    """The memmove copier's last-resort check refuses a run that ends exactly at the end of
-    its buffer: every copy of the pool's last block fails."""
-    if not len(runs):
-        return
-    device_end = runs.device_offset + runs.nbytes
-    if (device_end >= self._segment_end[runs.segment]).any() or int(
-        (runs.cpu_offset + runs.nbytes).max()
-    ) >= self._pool_end:
-        raise RuntimeError("a copy run lies outside its buffer: refusing to copy")
-
-
-@dataclass(frozen=True)
-class PlantedIdBug:
-    """``replacement`` stands in for ``target`` (``module.name``, in every module that uses
-    it); ``caught_as`` is a phrase the checker's report must contain."""
-
-    name: str
-    targets: tuple[tuple[Any, str], ...]
-    replacement: Callable[..., Any]
-    caught_as: str
-
-
-BOTH = (engine_module, offloader_module)
-PLANTED_ID_BUGS = (
-    PlantedIdBug(
-        "bound off by one",
-        tuple((module, "as_block_ids") for module in BOTH),
-        bound_off_by_one,
-        "with one past the last block: accepted",
-    ),
-    PlantedIdBug(
-        "bound off by one on the numpy path",
-        tuple((module, "as_block_ids") for module in BOTH),
-        bound_off_by_one_when_vectorized,
-        f"{SMALL + 4} ids): store into CPU ids with one past the last block: accepted",
-    ),
-    PlantedIdBug(
-        "distinctness of neighbours only",
-        tuple((module, "require_distinct") for module in BOTH),
-        distinct_neighbours_only,
-        "with the first id again at the end: accepted",
-    ),
-    PlantedIdBug(
-        "distinctness of neighbours only on the short path",
-        tuple((module, "require_distinct") for module in BOTH),
-        distinct_neighbours_only_when_short,
-        "3 ids): store into CPU ids with an id again two places later: accepted",
-    ),
-    PlantedIdBug(
-        "the offloader's bound off by one",
-        ((offloader_module, "as_block_ids"),),
-        bound_off_by_one,
-        "(3 keys): store from device ids with one past the last block: accepted",
-    ),
-    PlantedIdBug(
-        "the offloader's bound off by one on the numpy path",
-        ((offloader_module, "as_block_ids"),),
-        bound_off_by_one_when_vectorized,
-        f"({SMALL + 4} keys): store from device ids with one past the last block: accepted",
-    ),
-    PlantedIdBug(
-        "the offloader's bound off by one for planned ids only",
-        ((offloader_module, "as_block_ids"),),
-        planned_bound_off_by_one,
-        "(3 keys): store into planned CPU ids with one past the last block: accepted",
-    ),
-    PlantedIdBug(
-        "the offloader's distinctness of neighbours only",
-        ((offloader_module, "require_distinct"),),
-        distinct_neighbours_only,
-        "(3 keys): load into device ids with the first id again at the end: accepted",
-    ),
-    PlantedIdBug(
-        "the offloader's distinctness of neighbours only on the short path, for planned ids",
-        ((offloader_module, "require_distinct"),),
-        distinct_neighbours_only_when_short,
-        "(3 keys): store into planned CPU ids with the first id again at the end: accepted",
-    ),
-    PlantedIdBug(
-        "memmove bounds backstop off by one",
-        ((MemmoveCopier, "_require_in_bounds"),),
-        copier_bound_off_by_one,
-        "(memmove, 3 ids): job 0 failed",
-    ),
-)
-
-
 @contextlib.contextmanager
 def planted(bug: PlantedIdBug) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
@@ -475,8 +358,10 @@ def planted(bug: PlantedIdBug) -> Iterator[None]:
         yield
 
 
-@pytest.mark.parametrize("bug", PLANTED_ID_BUGS, ids=lambda bug: bug.name)
-def test_a_planted_block_id_bug_is_reported(bug: PlantedIdBug) -> None:
+@pytest.mark.parametrize("entry", share(BLOCK_IDS), ids=lambda bug: bug.name)
+def test_the_block_id_checks_find_their_share_of_the_catalogue(entry: Planted) -> None:
+    bug = entry.subject
+    assert isinstance(bug, PlantedIdBug)
     with planted(bug):
         problems = block_id_problems()
     assert any(bug.caught_as in problem for problem in problems), problems

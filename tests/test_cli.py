@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections.abc import Container, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,8 @@ from kvoffload.policies.lru import LruPolicy
 from kvoffload.sweep import SWEEP_POLICIES, cpu_stream, new_manager, replay
 from kvoffload.traces import load_trace
 from kvoffload_spec.errors import InvalidArgumentError
-from kvoffload_spec.surface import Key
+from tests.planted import VERIFY, Planted, share
+from tests.planted.policies import UserPolicyBug
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -250,35 +250,19 @@ def test_simulate_prints_a_summary_on_a_bundled_trace(capsys: pytest.CaptureFixt
 # -- verify ----------------------------------------------------------------------------------
 
 
-class IgnoresProtection(LruPolicy):
-    """A planted bug: victims may be keys of the very store that needs the room."""
-
-    def _candidates(self, protected: Container[Key]) -> Iterator[Key]:
-        return iter(self._evictable)
-
-
-class RefusesToEvictTwo(LruPolicy):
-    """A planted silent bug: a store that needs two victims is refused, room or not."""
-
-    def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
-        return None if need > 1 else super().choose_victims(need, protected)
-
-
 class RenamedLru(LruPolicy):
     """A user's policy that is LRU under another name: legal victims, so it conforms."""
 
 
-@pytest.mark.parametrize(
-    ("policy", "symptom"),
-    [
-        ("IgnoresProtection", "raised PolicyContractError"),
-        ("RefusesToEvictTwo", "prepare_store refused 2 absent keys"),
-    ],
-)
-def test_verify_finds_a_planted_bug_in_a_user_policy(
-    policy: str, symptom: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("entry", share(VERIFY), ids=lambda bug: bug.name)
+def test_verify_finds_its_share_of_the_catalogue(
+    entry: Planted, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["verify", "--policy", f"{__name__}:{policy}", "--budget", "30", "--json"]
+    """A user's broken policy, named as ``module:Class`` the way a user names theirs."""
+    bug = entry.subject
+    assert isinstance(bug, UserPolicyBug)
+    policy, symptom = f"{bug.policy.__module__}:{bug.policy.__name__}", bug.symptom
+    argv = ["verify", "--policy", policy, "--budget", "30", "--json"]
     code, out, _ = run(argv, capsys)
     assert code == 1
     report = json.loads(out)

@@ -17,6 +17,8 @@ from kvoffload.transfer import KVLayout
 from kvoffload.transfer import layout as layout_module
 from kvoffload_spec.errors import InvalidArgumentError
 from tests.caches import DEVICES, DTYPES, KINDS, make_cache, random_tensor, reference_block
+from tests.planted import LAYOUTS, Planted, share
+from tests.planted.layouts import StrictStrideBug
 
 
 def layout_block(layout: KVLayout, block: int) -> torch.Tensor:
@@ -203,40 +205,25 @@ def test_layouts_with_size_one_dims_round_trip_byte_exact() -> None:
     assert size_one_problems() == []
 
 
-# Planted: stricter checks that refuse valid layouts because of a size-1 dimension's stride.
-# Each: the edit of layout.py (old text, new text) and the layout it must be caught refusing.
 LAYOUT_SOURCE = Path(layout_module.__file__).read_text()
-STRICT_STRIDE_BUGS = {
-    "inner dims must have packed strides, size 1 too": (
-        ("if any(n > 1 and s != p for n, s, p in", "if any(s != p for n, s, p in"),
-        "a size-1 last dim from transpose: refused",
-    ),
-    "a single block must not overlap itself": (
-        ("if shape[dim] > 1 and stride < nbytes:", "if stride < nbytes:"),
-        "one block, stride 0: refused",
-    ),
-    "outer dims of size 1 must not have stride 0": (
-        ("if any(n > 1 and s == 0 for n, s in", "if any(s == 0 for n, s in"),
-        "a size-1 outer dim, stride 0: refused",
-    ),
-}
 
 
-def strict_segments_of(bug: str) -> Any:
+def strict_segments_of(bug: StrictStrideBug) -> Any:
     """``_segments_of`` of a copy of layout.py with ``bug``'s edit (which must match once)."""
-    (old, new), _ = STRICT_STRIDE_BUGS[bug]
-    assert LAYOUT_SOURCE.count(old) == 1, f"{bug}: {old!r} no longer in layout.py"
+    old, new = bug.edit
+    assert LAYOUT_SOURCE.count(old) == 1, f"{bug.name}: {old!r} no longer in layout.py"
     module = types.ModuleType("kvoffload_layout_strict")
     sys.modules[module.__name__] = module  # dataclasses look their module up while decorating
     exec(compile(LAYOUT_SOURCE.replace(old, new), "<strict layout>", "exec"), module.__dict__)
     return module._segments_of
 
 
-@pytest.mark.parametrize("bug", STRICT_STRIDE_BUGS)
-def test_a_planted_strict_stride_check_is_reported(
-    bug: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("entry", share(LAYOUTS), ids=lambda bug: bug.name)
+def test_the_layout_checks_find_their_share_of_the_catalogue(
+    entry: Planted, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    bug = entry.subject
+    assert isinstance(bug, StrictStrideBug)
     monkeypatch.setattr(layout_module, "_segments_of", strict_segments_of(bug))
     problems = size_one_problems()
-    _, caught_as = STRICT_STRIDE_BUGS[bug]
-    assert any(problem.startswith(caught_as) for problem in problems), problems
+    assert any(problem.startswith(bug.caught_as) for problem in problems), problems

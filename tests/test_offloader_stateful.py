@@ -14,7 +14,6 @@ version), so a load that returned stale or partial bytes of an older store is ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -46,6 +45,7 @@ from kvoffload_spec.operations import (
 )
 from kvoffload_spec.surface import Key, Lookup, Plan, StorePlan
 from tests.caches import CUDA, DTYPES, KINDS, make_cache, reference_block
+from tests.planted import OFFLOADER_MACHINE, Planted, share
 
 pytestmark = pytest.mark.slow  # an end-to-end machine over real tensors
 
@@ -284,23 +284,14 @@ OffloaderMachine.TestCase.settings = settings(max_examples=3 * settings().max_ex
 TestOffloaderOnCpu = OffloaderMachine.TestCase
 
 
-class TouchDeduplicatedKeepingTheLast(Offloader):
-    """Hands the manager each key of a touch once, keeping its last occurrence: after
-    ``touch([a, b, a])``, ``b`` is more recent than ``a``."""
-
-    def touch(self, keys: Sequence[Key]) -> None:
-        with self._lock:
-            self.manager.touch(list(dict.fromkeys(reversed(keys)))[::-1])
-
-
-class PlantedTouchMachine(OffloaderMachine):
-    offloader_class = TouchDeduplicatedKeepingTheLast
-
-
-def test_an_offloader_that_deduplicates_touches_wrongly_is_caught() -> None:
+@pytest.mark.parametrize("entry", share(OFFLOADER_MACHINE), ids=lambda bug: bug.name)
+def test_the_offloader_machine_finds_its_share_of_the_catalogue(entry: Planted) -> None:
+    broken = entry.subject
+    assert isinstance(broken, type) and issubclass(broken, Offloader)
+    machine = type("PlantedMachine", (OffloaderMachine,), {"offloader_class": broken})
     find_only = settings(phases=(Phase.generate,), database=None, max_examples=2_000)
     with pytest.raises(AssertionError):
-        run_state_machine_as_test(PlantedTouchMachine, settings=find_only)
+        run_state_machine_as_test(machine, settings=find_only)
 
 
 class CudaOffloaderMachine(OffloaderMachine):

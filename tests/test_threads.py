@@ -44,6 +44,8 @@ from kvoffload.transfer.jobs import Job
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import BlockNotReadyError, OffloadError
 from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
+from tests.planted import RACES, Planted, share
+from tests.planted.races import PlantedRace, RegistersAfterTheHandOff, ResetWaitsOutsideTheLock
 
 WORKERS = 3
 BLOCKS_EACH = 4  # device blocks a worker owns
@@ -471,61 +473,10 @@ def test_jittered_hand_offs_keep_the_offloader_consistent(seed: int) -> None:
     state.offloader.close()
 
 
-class ResetWaitsOutsideTheLock(Offloader):
-    """reset waits for the jobs in flight before taking the lock: a store can start between
-    the wait and the reset, and its job still runs when the manager forgets the pool."""
-
-    def reset(self, timeout: float | None = None) -> list[Finished]:
-        with self._lock:
-            jobs = self._unabandoned()
-        if not self.engine.wait(jobs, timeout):
-            raise engine_module.TransferTimeoutError("jobs in flight did not finish")
-        with self._lock:
-            finished = self._poll()
-            self.manager.reset_cache()
-            return finished
-
-
-class RegistersAfterTheHandOff(CpuBackend):
-    """A job is registered as running only after it was queued for the worker thread: a
-    worker that finishes it first leaves it counted as running for ever."""
-
-    def submit(self, job: Job) -> None:
-        jobs = self._queues.get(job.direction)
-        if jobs is None:
-            super().submit(job)
-            return
-        jobs.put(job)
-        with self._changed:
-            self._running.add(job.job_id)
-
-
-@dataclass(frozen=True)
-class PlantedRace:
-    """A race planted in the offloader or the CPU backend; ``caught_as`` is the start of
-    the problem the jittered hammering must report within ``SEEDS`` seeds."""
-
-    name: str
-    planted: dict[str, type]
-    caught_as: str
-
-
-PLANTED_RACES = (
-    PlantedRace(
-        "reset waits outside the lock",
-        {"offloader_class": ResetWaitsOutsideTheLock},
-        "resets with jobs in flight",
-    ),
-    PlantedRace(
-        "job registered as running after the hand-off",
-        {"backend_class": RegistersAfterTheHandOff},
-        "counts as running",
-    ),
-)
-
-
-@pytest.mark.parametrize("race", PLANTED_RACES, ids=lambda race: race.name)
-def test_a_planted_race_is_caught(race: PlantedRace) -> None:
+@pytest.mark.parametrize("entry", share(RACES), ids=lambda bug: bug.name)
+def test_the_race_checks_find_their_share_of_the_catalogue(entry: Planted) -> None:
+    race = entry.subject
+    assert isinstance(race, PlantedRace)
     seen: list[str] = []
     for seed in range(SEEDS):  # stops at the first seed that catches it
         state = jittered(seed, hold=1.0, **race.planted)  # a planted race may stall jobs

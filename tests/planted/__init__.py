@@ -14,10 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.manager import OffloadManager
+from kvoffload.offloader import Offloader
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload_spec.tiers import TierRules
+from tests.planted import block_ids as broken_ids
 from tests.planted import crosshair_manager as broken_contracts
+from tests.planted import layouts as broken_layouts
 from tests.planted import manager as broken
+from tests.planted import policies as broken_policies
+from tests.planted import races as broken_races
 from tests.planted import tiers as broken_tiers
 from tests.planted.spec import VARIANTS, Variant
 
@@ -30,6 +35,11 @@ FAULTS = "faults"  # the data path's fault scenario: a stalled store abandoned, 
 TIERS = "tier explorer"  # exhaustive exploration of the pool with the remote tier (spec)
 MANAGER_CROSSHAIR = "crosshair (manager)"  # the manager's contracts, one commuting square each
 REFUSALS = "refusals"  # a refused call (bad argument) changes nothing, abstraction included
+BLOCK_IDS = "block-id checks"  # every layer that validates block ids, at and past the edges
+RACES = "race checks"  # jittered hand-offs between the offloader's threads, many seeds
+LAYOUTS = "layout checks"  # valid layouts with odd size-1 strides must be accepted
+OFFLOADER_MACHINE = "offloader machine"  # the Offloader's state machine, data path included
+VERIFY = "verify"  # `kvoffload verify --policy module:Class` on a user's policy
 
 CHECKERS = (
     EXPLORER,
@@ -41,6 +51,11 @@ CHECKERS = (
     TIERS,
     MANAGER_CROSSHAIR,
     REFUSALS,
+    BLOCK_IDS,
+    RACES,
+    LAYOUTS,
+    OFFLOADER_MACHINE,
+    VERIFY,
 )
 
 
@@ -76,7 +91,17 @@ class CrossHairTarget:
 class Planted:
     name: str
     bug: str
-    subject: Variant | ManagerBug | TierRules | CrossHairTarget
+    subject: (
+        Variant
+        | ManagerBug
+        | TierRules
+        | CrossHairTarget
+        | broken_ids.PlantedIdBug
+        | broken_races.PlantedRace
+        | broken_layouts.StrictStrideBug
+        | type[Offloader]
+        | broken_policies.UserPolicyBug
+    )
     found_by: frozenset[str]
 
 
@@ -205,7 +230,61 @@ _CONTRACTS = tuple(
     )
 )
 
-CATALOGUE: tuple[Planted, ...] = _SPEC + _MANAGERS + _TIERS + _CONTRACTS
+_IDS = tuple(
+    Planted(
+        bug.name,
+        " ".join((bug.replacement.__doc__ or bug.name).split()),
+        bug,
+        frozenset({BLOCK_IDS}),
+    )
+    for bug in broken_ids.PLANTED_ID_BUGS
+)
+
+_RACES = tuple(
+    Planted(
+        race.name,
+        " ".join((next(iter(race.planted.values())).__doc__ or race.name).split()),
+        race,
+        frozenset({RACES}),
+    )
+    for race in broken_races.PLANTED_RACES
+)
+
+_LAYOUTS = tuple(
+    Planted(bug.name, f"a stricter layout check: {bug.name}", bug, frozenset({LAYOUTS}))
+    for bug in broken_layouts.STRICT_STRIDE_BUGS
+)
+
+_OFFLOADERS = (
+    Planted(
+        "the offloader deduplicates a touch keeping the last",
+        " ".join((broken.OffloaderTouchDeduplicatedKeepingTheLast.__doc__ or "").split()),
+        broken.OffloaderTouchDeduplicatedKeepingTheLast,
+        frozenset({OFFLOADER_MACHINE}),
+    ),
+)
+
+_USER_POLICIES = tuple(
+    Planted(
+        bug.policy.__name__,
+        " ".join((bug.policy.__doc__ or "").split()),
+        bug,
+        frozenset({VERIFY}),
+    )
+    for bug in broken_policies.USER_POLICY_BUGS
+)
+
+CATALOGUE: tuple[Planted, ...] = (
+    _SPEC
+    + _MANAGERS
+    + _TIERS
+    + _CONTRACTS
+    + _IDS
+    + _RACES
+    + _LAYOUTS
+    + _OFFLOADERS
+    + _USER_POLICIES
+)
 """Every planted bug, spec copies first."""
 
 

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable, Container, Hashable, Sequence
 
 from kvoffload.manager import OffloadManager
+from kvoffload.offloader import Offloader
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.duel import DuelPolicy
@@ -244,3 +245,12 @@ class RefusedTouchStillTouches(OffloadManager):
         if isinstance(keys, list):
             super().touch(list(itertools.takewhile(lambda key: isinstance(key, Hashable), keys)))
         super().touch(keys)
+
+
+class OffloaderTouchDeduplicatedKeepingTheLast(Offloader):
+    """Hands the manager each key of a touch once, keeping its last occurrence: after
+    ``touch([a, b, a])``, ``b`` is more recent than ``a``."""
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        with self._lock:
+            self.manager.touch(list(dict.fromkeys(reversed(keys)))[::-1])
