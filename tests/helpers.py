@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from kvoffload.policies.base import EvictionPolicy
 
 
@@ -15,3 +17,8 @@ def every_field(manager: object) -> str:
             shown = every_field(value) if isinstance(value, EvictionPolicy) else repr(value)
             fields.append(f"{name}={shown}")
     return "; ".join(fields)
+
+
+def reported(problems: list[str], pattern: str) -> bool:
+    """Whether one of ``problems`` is, word for word, the message ``pattern`` describes."""
+    return any(re.fullmatch(pattern, problem) for problem in problems)

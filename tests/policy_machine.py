@@ -1,6 +1,6 @@
 """A state machine that feeds one policy and the spec's order the same calls, through the
 policy interface directly (what a manager never does: remove a pinned key, say), and
-compares them through the policy's part of the refinement mapping. tests/test_manager_mutants.py
+compares them through the policy's part of the refinement mapping. tests/test_policies.py
 and tests/test_duel.py run it for each built-in policy."""
 
 from __future__ import annotations
