@@ -307,7 +307,7 @@ def test_verify_refuses_a_budget_that_is_not_a_positive_number(budget: object) -
         (["simulate", "--trace", "synthetic", "--gpu-blocks", "100"], "longest request"),
         (["simulate", "--block-bytes", "1GiB", "--cpu-blocks", "1m"], "memory"),
         (["simulate", "--cpu-blocks", "1000000m"], "exceeds this machine's memory"),
-        (["simulate", "--policy", f"{__name__}:IgnoresProtection"], "kvoffload verify"),
+        (["simulate", "--policy", "tests.planted.policies:IgnoresProtection"], "kvoffload verify"),
         (["verify", "--policy", "nosuchmodule:Policy"], "cannot import 'nosuchmodule'"),
         (["verify", "--policy", "json:dumps"], "not an EvictionPolicy subclass"),
         (["verify", "--policy", "mru"], "unknown policy 'mru'"),
