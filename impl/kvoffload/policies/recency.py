@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from bisect import bisect_left, insort
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from itertools import chain, filterfalse
 from operator import itemgetter
 from typing import Any
 
@@ -102,8 +103,8 @@ class StampOrder:
 
     def __iter__(self) -> Iterator[Key]:
         """Oldest first. Nothing may be added or removed while the iteration runs."""
-        for at in self._ids:
-            yield from self._bucket(at)
+        # Chained in C: the walk for victims costs no Python frame per key.
+        return chain.from_iterable(map(self._bucket, self._ids))
 
     def __reversed__(self) -> Iterator[Key]:
         for at in reversed(self._ids):
@@ -159,4 +160,4 @@ def stamp_ordered(stamps: Mapping[Key, int] | ShardedDict[Key, int]) -> Any:
 
 def unprotected(ordered: Iterable[Key], protected: Container[Key]) -> Iterator[Key]:
     """The keys of ``ordered``, least recent first, skipping those in ``protected``."""
-    return (key for key in ordered if key not in protected)
+    return filterfalse(protected.__contains__, ordered)
