@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Any
 
 from kvoffload.policies.base import EvictionPolicy
@@ -181,7 +181,7 @@ class ArcPolicy(EvictionPolicy):
             problems.append(f"ARC ghosts {len(b1)}, {len(b2)} or p={self.p} exceed {self.capacity}")
         return problems
 
-    def _candidates(self, run: StampOrder, protected: Container[Key]) -> Iterator[Key]:
+    def _candidates(self, run: Iterable[Key], protected: Container[Key]) -> Iterator[Key]:
         """Victim candidates of one list (``_t1`` or ``_t2``), best first: a subclass may
         walk differently.
         """
