@@ -64,8 +64,8 @@ class WalkEveryBlockLru(LruPolicy):
         evictable = self._evictable_keys
         return (key for key in self._recency if key in evictable and key not in protected)
 
-    def _restamp(self, key: Key) -> None:
-        super()._restamp(key)
+    def _restamp(self, key: Key, stamp: int) -> None:
+        super()._restamp(key, stamp)
         del self._recency[key]  # re-inserted at the end: the dict's order is the recency order
         self._recency[key] = None
 

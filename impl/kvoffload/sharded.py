@@ -9,13 +9,14 @@ same amortized cost and the same memory per entry.
 
 ``ShardedDict`` is that split dict; its iteration order is arbitrary (callers that need
 an order sort). ``OrderedKeys`` is an insertion-ordered set (what an ``OrderedDict`` of keys
-to None is used for) kept as a doubly linked list in shards, so that its appends, removals
-and pops from the front are O(1) in the worst case too. ``AscendingDict`` holds int keys
+to None is used for) kept in buckets of consecutive insertion numbers, so that its
+appends, removals and pops from the front touch only small dicts. ``AscendingDict`` holds int keys
 that arrive in increasing order (plan ids) in chunks of consecutive keys, iterated in order.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Generic, TypeVar
 
@@ -113,99 +114,108 @@ def _sharded_dict(count: int, items: list[tuple[K, V]]) -> ShardedDict[K, V]:
     return rebuilt
 
 
-class _Anchor:
-    """The end of ``OrderedKeys``' circular list: before the first key, after the last."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<anchor>"
-
-
 class OrderedKeys(Generic[K]):
     """An insertion-ordered set of keys, oldest first: appends at the end, removals
-    anywhere, pops from the front, all O(1) with no pause.
+    anywhere, pops from the front, each a few small-dict operations with no pause.
 
-    A circular doubly linked list closed by an anchor: key -> the next key and key -> the
-    previous key, in two lists of shards that split keys alike (a key's links are in shard
-    ``hash(key) % count`` of each). The shards are addressed directly rather than through
-    two ``ShardedDict`` objects: each operation then costs a handful of plain dict operations.
+    Each appended key gets the next number of a counter, its *stamp*; ``_stamps`` maps key
+    -> stamp in shards (as ``ShardedDict``), and the keys themselves sit in buckets of
+    ``BUCKET_STAMPS`` consecutive stamps, plain dicts in insertion (= stamp) order.
+    ``_ids`` lists the non-empty buckets in ascending order: stamps only grow, so a new
+    bucket always goes at its end.
     """
 
-    __slots__ = ("_anchor", "_count", "_next", "_prev", "_size")
+    __slots__ = ("_buckets", "_clock", "_count", "_ids", "_size", "_stamps")
+
+    BUCKET_BITS = 8  # 256 stamps per bucket
 
     def __init__(self, expected_entries: int) -> None:
         self._count = shard_count(expected_entries)
-        self._next: list[dict[object, object]] = [{} for _ in range(self._count)]
-        self._prev: list[dict[object, object]] = [{} for _ in range(self._count)]
-        self._anchor = _Anchor()
+        self._stamps: list[dict[K, int]] = [{} for _ in range(self._count)]
+        self._buckets: dict[int, dict[K, None]] = {}
+        self._ids: list[int] = []
+        self._clock = 0
         self._size = 0
-        self._link(self._anchor, self._anchor)
 
     def __repr__(self) -> str:
         return f"OrderedKeys({list(self)!r})"
 
     def __reduce__(self) -> tuple[object, ...]:
-        # Rebuilt by appending, for the reason of ``ShardedDict.__reduce__``: the anchor
-        # itself hashes by identity, so a copied anchor sits in another shard.
+        # Rebuilt by appending, for the reason of ``ShardedDict.__reduce__``.
         return (_ordered_keys, (self._count, list(self)))
 
     def __len__(self) -> int:
         return self._size
 
     def __contains__(self, key: object) -> bool:
-        return key in self._next[hash(key) % self._count]
+        return key in self._stamps[hash(key) % self._count]
 
     def __iter__(self) -> Iterator[K]:
-        anchor, nexts, count = self._anchor, self._next, self._count
-        key = nexts[hash(anchor) % count][anchor]
-        while key is not anchor:
-            yield key  # type: ignore[misc]
-            key = nexts[hash(key) % count][key]
+        buckets = self._buckets
+        for at in self._ids:
+            yield from buckets[at]
 
     def append(self, key: K) -> None:
         """Add ``key`` as the newest; it must not be present."""
-        anchor = self._anchor
-        last = self._prev[hash(anchor) % self._count][anchor]
-        self._link(last, key)
-        self._link(key, anchor)
+        stamp = self._clock
+        self._clock = stamp + 1
+        self._stamps[hash(key) % self._count][key] = stamp
+        at = stamp >> self.BUCKET_BITS
+        bucket = self._buckets.get(at)
+        if bucket is None:
+            bucket = self._buckets[at] = {}
+            self._ids.append(at)
+        bucket[key] = None
         self._size += 1
 
     def discard(self, key: K) -> bool:
         """Remove ``key`` if present; whether it was."""
-        if key not in self._next[hash(key) % self._count]:
+        stamp = self._stamps[hash(key) % self._count].pop(key, None)
+        if stamp is None:
             return False
-        self._unlink(key)
+        self._unlink(key, stamp)
         return True
 
     def move_to_end(self, key: K) -> None:
         """Make the present ``key`` the newest."""
-        self._unlink(key)
+        self._unlink(key, self._stamps[hash(key) % self._count].pop(key))
         self.append(key)
 
     def pop_oldest(self) -> K:
         """Remove and return the oldest key; KeyError when empty."""
         if not self._size:
             raise KeyError("pop_oldest from empty OrderedKeys")
-        anchor = self._anchor
-        oldest: K = self._next[hash(anchor) % self._count][anchor]  # type: ignore[assignment]
-        self._unlink(oldest)
+        at = self._ids[0]
+        bucket = self._buckets[at]
+        oldest = next(iter(bucket))
+        del self._stamps[hash(oldest) % self._count][oldest]
+        del bucket[oldest]
+        if not bucket:
+            del self._buckets[at], self._ids[0]
+        self._size -= 1
         return oldest
 
+    def append_within(self, key: K, limit: int) -> None:
+        """``append(key)``, then pop the oldest keys until at most ``limit`` are left."""
+        self.append(key)
+        while self._size > limit:
+            self.pop_oldest()
+
     def clear(self) -> None:
-        for shard in self._next + self._prev:
+        for shard in self._stamps:
             shard.clear()
+        self._buckets.clear()
+        self._ids.clear()
         self._size = 0
-        self._link(self._anchor, self._anchor)
 
-    def _link(self, before: object, after: object) -> None:
-        self._next[hash(before) % self._count][before] = after
-        self._prev[hash(after) % self._count][after] = before
-
-    def _unlink(self, key: object) -> None:
-        at = hash(key) % self._count
-        before, after = self._prev[at].pop(key), self._next[at].pop(key)
-        self._link(before, after)
+    def _unlink(self, key: K, stamp: int) -> None:
+        at = stamp >> self.BUCKET_BITS
+        bucket = self._buckets[at]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[at]
+            ids = self._ids
+            del ids[bisect_left(ids, at)]
         self._size -= 1
 
 

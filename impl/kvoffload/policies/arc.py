@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.policies.base import EvictionPolicy
-from kvoffload.policies.recency import stamp_ordered, unprotected
+from kvoffload.policies.recency import StampOrder, unprotected
 from kvoffload.sharded import OrderedKeys, ShardedDict
 from kvoffload_spec.surface import Key
 
@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from kvoffload_spec.policies import ArcOrder
 
 _END: Any = object()  # no candidate left in a list
+_IN_T2 = 1  # the bits of a resident key's code below its stamp
+_STORED = 2
 
 
 class ArcPolicy(EvictionPolicy):
@@ -25,10 +27,13 @@ class ArcPolicy(EvictionPolicy):
     Victims come from T1 when ``|T1| >= p``, else from T2, falling back to the other list
     when the preferred one has no candidate.
 
-    Each resident key has a code ``2 * stamp + (1 if in T2)``; the evictable keys of each
-    list are kept sorted by code, and the list sizes are counters, so choosing k victims
-    costs O(k log n) however many blocks are pinned. Ghosts are insertion-ordered sets. The
-    tables are sharded (``kvoffload.sharded``) so that no call pauses to rebuild one.
+    Each resident key has a code ``4 * stamp + 2 * stored + in_t2``: its recency stamp,
+    whether its store has completed (it is ready: only a touch of a ready key is a second
+    use) and its list. The evictable keys of each list are kept apart, ordered by code
+    (``StampOrder``), and the list sizes are counters, so choosing k victims walks k keys
+    (plus the protected ones) however many blocks are pinned. Ghosts are insertion-ordered
+    sets. No table is one large dict (``kvoffload.sharded``), so no call pauses to rebuild
+    one.
     """
 
     touch_counts_reuse = True
@@ -38,8 +43,8 @@ class ArcPolicy(EvictionPolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._codes: ShardedDict[Key, int] = ShardedDict(capacity)
-        self._t1 = stamp_ordered(self._codes)  # the evictable keys of T1
-        self._t2 = stamp_ordered(self._codes)  # the evictable keys of T2
+        self._t1 = StampOrder(low_bits=2)  # the evictable keys of T1, by code
+        self._t2 = StampOrder(low_bits=2)  # the evictable keys of T2, by code
         self._t1_size = 0
         self._t2_size = 0
         self._b1: OrderedKeys[Key] = OrderedKeys(capacity)
@@ -48,37 +53,62 @@ class ArcPolicy(EvictionPolicy):
         self._clock = 0
 
     def insert(self, key: Key) -> None:
-        self._codes[key] = self._code(in_t2=False)
+        self._clock += 1
+        self._codes[key] = self._clock << 2
         self._t1_size += 1
         self._b1.discard(key)
         self._b2.discard(key)
 
     def remove(self, key: Key) -> None:
-        if self._codes.pop(key) & 1:
+        if self._codes.pop(key) & _IN_T2:
             self._t2_size -= 1
         else:
             self._t1_size -= 1
 
     def mark_evictable(self, key: Key) -> None:
-        self._run_of(key).add(key)
+        code = self._codes[key]
+        if not code & _STORED:  # its store completed (else it was unpinned)
+            code |= _STORED
+            self._codes[key] = code
+        (self._t2 if code & _IN_T2 else self._t1).add(key, code)
 
     def mark_unevictable(self, key: Key) -> None:
-        self._run_of(key).remove(key)
+        code = self._codes[key]
+        (self._t2 if code & _IN_T2 else self._t1).remove(key, code)
 
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
+        # ``is_ready`` is not needed: a key is ready once its store completed (_STORED).
+        codes, t1, t2 = self._codes, self._t1, self._t2
         for key in reversed(keys):
-            code = self._codes.get(key)
-            if code is not None:
-                # A pending block was only just inserted: that is not a second access.
-                self._restamp(key, in_t2=bool(code & 1) or is_ready(key))
-            else:
+            code = codes.get(key)
+            if code is None:
                 self._ghost_hit(key)
+                continue
+            # A ready key moves to (or within) T2; a pending one was only just inserted,
+            # which is not a second use: it stays in T1, as the most recent.
+            self._clock += 1
+            new_code = self._clock << 2 | (code & _STORED) | (code >> 1 & 1)
+            codes[key] = new_code
+            if code & _IN_T2:
+                if t2.discard(key, code):
+                    t2.add(key, new_code)
+                continue
+            evictable = t1.discard(key, code)
+            if new_code & _IN_T2:
+                self._t1_size -= 1
+                self._t2_size += 1
+                if evictable:
+                    t2.add(key, new_code)
+            elif evictable:
+                t1.add(key, new_code)
 
     def on_store_miss(self, keys: Sequence[Key]) -> None:
         # Before insert drops the ghost: in an engine's order a returning key is stored
         # again before it is touched, so this is where ARC sees it come back.
+        b1, b2 = self._b1, self._b2
         for key in reversed(keys):
-            self._ghost_hit(key)
+            if key in b1 or key in b2:
+                self._ghost_hit(key)
 
     def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
         t1_keys = self._candidates(self._t1, protected)
@@ -100,16 +130,17 @@ class ArcPolicy(EvictionPolicy):
         return victims
 
     def evict(self, victims: Sequence[Key]) -> None:
+        pop = self._codes.pop
         for key in victims:
-            self._run_of(key).remove(key)
-            if self._codes.pop(key) & 1:
+            code = pop(key)
+            if code & _IN_T2:
+                self._t2.remove(key, code)
                 self._t2_size -= 1
-                self._b2.append(key)
+                self._b2.append_within(key, self.capacity)
             else:
+                self._t1.remove(key, code)
                 self._t1_size -= 1
-                self._b1.append(key)
-            self._trim(self._b1)
-            self._trim(self._b2)
+                self._b1.append_within(key, self.capacity)
 
     def clear(self) -> None:
         for run in (self._t1, self._t2):
@@ -128,14 +159,14 @@ class ArcPolicy(EvictionPolicy):
         """T1, T2, B1 and B2, each least recent first (O(n log n): for checks and tests)."""
         by_code = sorted(self._codes, key=self._codes.__getitem__)
         return (
-            [key for key in by_code if not self._codes[key] & 1],
-            [key for key in by_code if self._codes[key] & 1],
+            [key for key in by_code if not self._codes[key] & _IN_T2],
+            [key for key in by_code if self._codes[key] & _IN_T2],
             list(self._b1),
             list(self._b2),
         )
 
     def check_invariants(self, is_evictable: Callable[[Key], bool]) -> list[str]:
-        problems: list[str] = []
+        problems = self._t1.problems(self._codes.get) + self._t2.problems(self._codes.get)
         t1, t2, b1, b2 = self.lists()
         if (len(t1), len(t2)) != (self._t1_size, self._t2_size):
             problems.append(f"ARC sizes {self._t1_size}, {self._t2_size} but T1={t1}, T2={t2}")
@@ -153,7 +184,7 @@ class ArcPolicy(EvictionPolicy):
             problems.append(f"ARC ghosts {len(b1)}, {len(b2)} or p={self.p} exceed {self.capacity}")
         return problems
 
-    def _candidates(self, run: Any, protected: Container[Key]) -> Iterator[Key]:
+    def _candidates(self, run: Iterable[Key], protected: Container[Key]) -> Iterator[Key]:
         """Victim candidates of one list (``_t1`` or ``_t2``), best first: a subclass may
         walk differently.
         """
@@ -173,29 +204,6 @@ class ArcPolicy(EvictionPolicy):
         elif key in self._b2:
             self.p = max(self.p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
             self._b2.move_to_end(key)
-
-    def _restamp(self, key: Key, *, in_t2: bool) -> None:
-        run = self._run_of(key)
-        evictable = key in run
-        if evictable:
-            run.remove(key)
-        if in_t2 and not self._codes[key] & 1:
-            self._t1_size -= 1
-            self._t2_size += 1
-        self._codes[key] = self._code(in_t2=in_t2)
-        if evictable:
-            self._run_of(key).add(key)
-
-    def _run_of(self, key: Key) -> Any:
-        return self._t2 if self._codes[key] & 1 else self._t1
-
-    def _trim(self, ghosts: OrderedKeys[Key]) -> None:
-        while len(ghosts) > self.capacity:
-            ghosts.pop_oldest()
-
-    def _code(self, *, in_t2: bool) -> int:
-        self._clock += 1
-        return 2 * self._clock + in_t2
 
     def abstract_order(self) -> ArcOrder:
         from kvoffload_spec.policies import ArcOrder

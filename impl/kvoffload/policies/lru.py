@@ -7,7 +7,7 @@ from collections.abc import Callable, Container, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvoffload.policies.base import EvictionPolicy
-from kvoffload.policies.recency import stamp_ordered, unprotected
+from kvoffload.policies.recency import StampOrder, unprotected
 from kvoffload.sharded import ShardedDict
 from kvoffload_spec.surface import Key
 
@@ -19,7 +19,8 @@ class LruPolicy(EvictionPolicy):
     """Least recently used first; recency comes from insertion and ``touch`` only.
 
     ``_stamps`` holds every resident key's recency stamp; ``_evictable`` only the evictable
-    keys, sorted by stamp. Every operation is O(log n) per key.
+    keys, ordered by stamp (``StampOrder``). Every operation costs a few small-dict
+    operations per key, however many blocks are pinned.
     """
 
     __slots__ = ("_clock", "_evictable", "_stamps")
@@ -27,34 +28,37 @@ class LruPolicy(EvictionPolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._stamps: ShardedDict[Key, int] = ShardedDict(capacity)
-        self._evictable = stamp_ordered(self._stamps)
+        self._evictable = StampOrder()
         self._clock = 0
 
     def insert(self, key: Key) -> None:
-        self._stamps[key] = self._tick()
+        self._clock += 1
+        self._stamps[key] = self._clock
 
     def remove(self, key: Key) -> None:
         del self._stamps[key]
 
     def mark_evictable(self, key: Key) -> None:
-        self._evictable.add(key)
+        self._evictable.add(key, self._stamps[key])
 
     def mark_unevictable(self, key: Key) -> None:
-        self._evictable.remove(key)
+        self._evictable.remove(key, self._stamps[key])
 
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
+        stamps = self._stamps
         for key in reversed(keys):
-            if key in self._stamps:
-                self._restamp(key)
+            stamp = stamps.get(key)
+            if stamp is not None:
+                self._restamp(key, stamp)
 
     def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
         victims = list(itertools.islice(self._candidates(protected), need))
         return victims if len(victims) == need else None
 
     def evict(self, victims: Sequence[Key]) -> None:
+        pop, remove = self._stamps.pop, self._evictable.remove
         for key in victims:
-            self._evictable.remove(key)
-            del self._stamps[key]
+            remove(key, pop(key))
 
     def clear(self) -> None:
         self._evictable.clear()
@@ -64,7 +68,7 @@ class LruPolicy(EvictionPolicy):
         return sorted(self._stamps, key=self._stamps.__getitem__)
 
     def check_invariants(self, is_evictable: Callable[[Key], bool]) -> list[str]:
-        problems: list[str] = []
+        problems = self._evictable.problems(self._stamps.get)
         listed = list(self._evictable)
         expected = [key for key in self.resident() if is_evictable(key)]
         if listed != expected:
@@ -77,13 +81,12 @@ class LruPolicy(EvictionPolicy):
         """Victim candidates, best first: a subclass may walk differently."""
         return unprotected(self._evictable, protected)
 
-    def _restamp(self, key: Key) -> None:
-        evictable = key in self._evictable
-        if evictable:
-            self._evictable.remove(key)
-        self._stamps[key] = self._tick()
-        if evictable:
-            self._evictable.add(key)
+    def _restamp(self, key: Key, stamp: int) -> None:
+        """Make the resident ``key``, stamped ``stamp`` until now, the most recent."""
+        self._clock += 1
+        self._stamps[key] = self._clock
+        if self._evictable.discard(key, stamp):
+            self._evictable.add(key, self._clock)
 
     def _tick(self) -> int:
         self._clock += 1

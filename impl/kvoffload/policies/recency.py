@@ -2,22 +2,149 @@
 
 Every resident key carries an integer stamp from a clock that only moves forward, so a
 key's place in the order is its stamp, whatever happens to the key meanwhile. The evictable
-keys are kept apart in a sorted list ordered by stamp: finding victims walks only evictable
+keys are kept apart, ordered by stamp (``StampOrder``): finding victims walks only evictable
 keys, least recent first, and skips the protected ones (at most one per key of the call).
-A key that is pinned leaves that list and returns to it under the same stamp, so pinning
+A key that is pinned leaves that order and returns to it under the same stamp, so pinning
 never changes recency.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Container, Iterator, Mapping
+from bisect import bisect_left, insort
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from itertools import chain, filterfalse
+from operator import itemgetter
 from typing import Any
 
 from sortedcontainers import SortedKeyList
 
 from kvoffload.sharded import ShardedDict
 from kvoffload_spec.surface import Key
+
+STAMPS_PER_BUCKET_BITS = 8  # a bucket holds the keys of 256 consecutive stamps
+_BY_STAMP = itemgetter(1)
+
+
+class StampOrder:
+    """Keys ordered by their unique integer stamps, in buckets of consecutive stamps.
+
+    Bucket ``stamp >> self._bits`` is a plain dict ``key -> stamp``, and ``_ids`` lists the
+    non-empty buckets in ascending order. Adding, removing and finding the oldest key are a
+    few operations on small dicts, in C, whatever the number of keys; no table grows past
+    a bucket, so none pauses to rebuild.
+
+    Keys nearly always arrive in stamp order (a new or touched key has the newest stamp),
+    so a bucket's insertion order is its stamp order. A key that returns with an older
+    stamp (unpinned, or its store completed after newer stores) marks its bucket *unsorted*;
+    the bucket is sorted once, in place, the next time it is read (at most 256 entries).
+    The caller keeps each key's stamp and passes it in.
+    """
+
+    __slots__ = ("_bits", "_buckets", "_ids", "_newest", "_unsorted")
+
+    def __init__(self, low_bits: int = 0) -> None:
+        """``low_bits``: how many low bits of a stamp are not time (ARC's list bits)."""
+        self._bits = STAMPS_PER_BUCKET_BITS + low_bits
+        self._buckets: dict[int, dict[Key, int]] = {}
+        self._ids: list[int] = []  # the keys of _buckets, ascending
+        self._unsorted: set[int] = set()  # buckets whose dict order is not stamp order
+        self._newest = -1  # no stamp added since the last clear exceeds it
+
+    def __repr__(self) -> str:
+        return f"StampOrder({list(self)!r})"
+
+    def __len__(self) -> int:
+        return sum(map(len, self._buckets.values()))
+
+    def add(self, key: Key, stamp: int) -> None:
+        """Add ``key`` (absent) under ``stamp`` (no other key's)."""
+        at = stamp >> self._bits
+        bucket = self._buckets.get(at)
+        if bucket is None:
+            self._buckets[at] = {key: stamp}
+            ids = self._ids
+            if not ids or ids[-1] < at:
+                ids.append(at)
+            else:
+                insort(ids, at)
+        else:
+            if stamp < self._newest and stamp < next(reversed(bucket.values())):
+                self._unsorted.add(at)
+            bucket[key] = stamp
+        if stamp > self._newest:
+            self._newest = stamp
+
+    def discard(self, key: Key, stamp: int) -> bool:
+        """Remove ``key``, held under ``stamp``, if it is here; whether it was."""
+        at = stamp >> self._bits
+        bucket = self._buckets.get(at)
+        if bucket is None or bucket.pop(key, None) is None:
+            return False
+        if not bucket:
+            self._drop(at)
+        return True
+
+    def remove(self, key: Key, stamp: int) -> None:
+        """Remove ``key``, which is here under ``stamp``."""
+        at = stamp >> self._bits
+        bucket = self._buckets[at]
+        del bucket[key]
+        if not bucket:
+            self._drop(at)
+
+    def contains(self, key: Key, stamp: int) -> bool:
+        """Whether ``key``, whose stamp is ``stamp``, is here."""
+        return key in self._buckets.get(stamp >> self._bits, ())
+
+    def oldest(self) -> Key:
+        """The key with the least stamp; IndexError when empty."""
+        return next(iter(self._bucket(self._ids[0])))
+
+    def __iter__(self) -> Iterator[Key]:
+        """Oldest first. Nothing may be added or removed while the iteration runs."""
+        # Chained in C: the walk for victims costs no Python frame per key.
+        return chain.from_iterable(map(self._bucket, self._ids))
+
+    def __reversed__(self) -> Iterator[Key]:
+        for at in reversed(self._ids):
+            yield from reversed(self._bucket(at))
+
+    def clear(self) -> None:
+        self._buckets.clear()
+        self._ids.clear()
+        self._unsorted.clear()
+        self._newest = -1
+
+    def problems(self, stamp_of: Callable[[Key], int | None]) -> list[str]:
+        """What is wrong inside, in words; ``stamp_of`` gives each key's true stamp."""
+        found: list[str] = []
+        if self._ids != sorted(self._buckets) or not all(self._buckets.values()):
+            found.append(f"stamp buckets {self._ids} are not the non-empty buckets, ascending")
+        for at, bucket in self._buckets.items():
+            for key, stamp in bucket.items():
+                if stamp >> self._bits != at or stamp_of(key) != stamp:
+                    found.append(f"{key!r} is in stamp bucket {at} under {stamp}")
+            stamps = list(bucket.values())
+            if at not in self._unsorted and stamps != sorted(stamps):
+                found.append(f"stamp bucket {at} is out of order and not marked so")
+        return found
+
+    def _bucket(self, at: int) -> dict[Key, int]:
+        bucket = self._buckets[at]
+        if at in self._unsorted:
+            # Reordering changes no key's place in the order: it is still stamp order.
+            ordered = sorted(bucket.items(), key=_BY_STAMP)
+            bucket.clear()
+            bucket.update(ordered)
+            self._unsorted.discard(at)
+        return bucket
+
+    def _drop(self, at: int) -> None:
+        del self._buckets[at]
+        ids = self._ids
+        del ids[bisect_left(ids, at)]
+        self._unsorted.discard(at)
 
 
 def stamp_ordered(stamps: Mapping[Key, int] | ShardedDict[Key, int]) -> Any:
@@ -31,6 +158,6 @@ def stamp_ordered(stamps: Mapping[Key, int] | ShardedDict[Key, int]) -> Any:
     return SortedKeyList(key=functools.partial(lookup, stamps))
 
 
-def unprotected(ordered: Any, protected: Container[Key]) -> Iterator[Key]:
+def unprotected(ordered: Iterable[Key], protected: Container[Key]) -> Iterator[Key]:
     """The keys of ``ordered``, least recent first, skipping those in ``protected``."""
-    return (key for key in ordered if key not in protected)
+    return filterfalse(protected.__contains__, ordered)
