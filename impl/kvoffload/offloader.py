@@ -338,9 +338,10 @@ class Offloader:
         return self._wait_all(jobs, fetches, timeout)
 
     def _wait_all(self, jobs: list[int], fetches: list[RemoteJob], timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.engine.wait(jobs, timeout):
+        started = time.monotonic()
+        if not self.engine.wait(jobs, timeout):  # which checks ``timeout``
             return False
+        deadline = None if timeout is None else started + timeout
         for fetch in fetches:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not fetch.wait(left):
