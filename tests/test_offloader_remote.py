@@ -8,10 +8,15 @@ taken for a hit) must each make that check fail.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -360,3 +365,60 @@ def test_planted_bugs_load_wrong_bytes_and_are_caught(
         return
     with pytest.raises(AssertionError, match="wrong bytes"):
         second.check_ready_bytes(range(4))
+
+
+# -- two processes ----------------------------------------------------------------------
+
+WRITER = """
+import hashlib, json, sys
+from tests.test_offloader_remote import Engine, content, make_store
+engine = Engine(make_store(sys.argv[1]))
+for key in range(int(sys.argv[2])):
+    engine.store(key)
+engine.close()  # the writes in flight go out first
+stats = engine.stats()
+print(json.dumps({"written": stats.written, "not_written": stats.not_written}))
+"""
+
+READER = """
+import hashlib, json, sys
+from kvoffload_spec.surface import Lookup
+from tests.test_offloader_remote import SCRATCH, Engine, make_store
+engine = Engine(make_store(sys.argv[1]), cpu_blocks=8)
+count = int(sys.argv[2])
+fetched = engine.fetch(range(count))
+loaded = {}
+for key in range(count):
+    if engine.offloader.lookup(key) is Lookup.HIT:
+        engine.offloader.load([key], [SCRATCH])
+        engine.settle()
+        loaded[key] = hashlib.sha256(bytes(engine.cache[SCRATCH].numpy())).hexdigest()
+engine.close()
+print(json.dumps({"fetched": {str(k): v for k, v in fetched.items()}, "sha256": loaded}))
+"""
+
+
+def run_python(program: str, *arguments: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", program, *arguments],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    answer: dict[str, Any] = json.loads(done.stdout)
+    return answer
+
+
+@pytest.mark.slow  # two torch imports, ~6 s; the in-process sharing test is in the fast tier
+def test_a_second_process_fetches_the_first_ones_evicted_blocks_byte_exact(
+    valkey_server: ValkeyServer,
+) -> None:
+    written = run_python(WRITER, valkey_server.url, "8")
+    assert written == {"written": 6, "not_written": 0}  # 2 CPU blocks: 0-5 were evicted
+    read = run_python(READER, valkey_server.url, "8")
+    assert read["fetched"] == {str(key): key < 6 for key in range(8)}
+    expected = {str(key): hashlib.sha256(content(key)).hexdigest() for key in range(6)}
+    assert read["sha256"] == expected
