@@ -331,14 +331,13 @@ class WritesBackLate(Offloader):
 
     late: tuple[StorePlan, ...] = ()
 
-    def _write_back(self, plan: StorePlan) -> None:
-        self.late += (plan,)
+    def _write_back(self, plans: Sequence[StorePlan]) -> None:
+        self.late += tuple(plans)
 
     def _store(self, keys: Sequence[Key], device_block_ids: BlockIds) -> StorePlan | None:
         plan = super()._store(keys, device_block_ids)
         self.engine.wait(list(self._plans))  # the job has written the victims' block ids
-        for late in self.late:
-            Offloader._write_back(self, late)
+        Offloader._write_back(self, self.late)
         self.late = ()
         return plan
 

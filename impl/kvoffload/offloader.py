@@ -254,7 +254,7 @@ class Offloader:
         if plan is None:
             return None
         # Before the job is submitted: it may write a victim's block id at once.
-        self._write_back(plan)
+        self._write_back([plan])
         try:
             position = {key: index for index, key in reversed(list(enumerate(keys)))}
             rows = [position[key] for key in plan.keys]
@@ -493,9 +493,11 @@ class Offloader:
                 except BaseException:
                     self.manager.complete_store(plan, success=False)
                     raise
-                self._write_back(plan)  # its victims, before the fetch may write their ids
                 plans.append(plan)
             if plans:
+                # The victims of them all in one write, queued (and copied) before the
+                # fetch that may write their block ids.
+                self._write_back(plans)
                 rows = self.engine.pool.tensor.numpy()
                 buffers = [memoryview(rows[plan.block_ids[0]]) for plan in plans]
                 job = self._remote.submit_get([plan.keys[0] for plan in plans], buffers)
@@ -531,17 +533,24 @@ class Offloader:
             for key in keys:
                 encode_key(key)
 
-    def _write_back(self, plan: StorePlan) -> None:
-        """Send the victims of ``plan`` to the remote, with the bytes their block ids hold
-        now: call before anything may write those block ids (the plan's own job)."""
-        if self._remote is None or self._remote_mode != "write-back" or not plan.evicted_keys:
+    def _write_back(self, plans: Sequence[StorePlan]) -> None:
+        """Send the victims of ``plans`` to the remote in one write, with the bytes their
+        block ids hold now: call before anything may write those block ids (the plans'
+        own jobs)."""
+        if self._remote is None or self._remote_mode != "write-back":
             return
-        if len(plan.evicted_block_ids) != len(plan.evicted_keys):
-            # A manager of the caller's that does not say where its victims were: their
-            # bytes cannot be found, so they are not written (counted as not written).
-            self._remote_counts["not_written"] += len(plan.evicted_keys)
-            return
-        self._put(plan.evicted_keys, plan.evicted_block_ids)
+        keys: list[Key] = []
+        block_ids: list[int] = []
+        for plan in plans:
+            if len(plan.evicted_block_ids) != len(plan.evicted_keys):
+                # A manager of the caller's that does not say where its victims were: their
+                # bytes cannot be found, so they are not written (counted as not written).
+                self._remote_counts["not_written"] += len(plan.evicted_keys)
+                continue
+            keys += plan.evicted_keys
+            block_ids += plan.evicted_block_ids
+        if keys:
+            self._put(keys, block_ids)
 
     def _write_through(self, plan: StorePlan) -> None:
         ready = [
