@@ -421,3 +421,66 @@ def test_a_second_process_fetches_the_first_ones_evicted_blocks_byte_exact(
     assert read["fetched"] == {str(key): key < 6 for key in range(8)}
     expected = {str(key): hashlib.sha256(content(key)).hexdigest() for key in range(6)}
     assert read["sha256"] == expected
+
+
+# -- faults at random moments ------------------------------------------------------------
+
+
+def test_random_faults_never_load_a_wrong_byte(
+    valkey_server: ValkeyServer, engines: list[Engine]
+) -> None:
+    """Two engines store, fetch and load at random while the server is killed, restarted
+    empty, paused and resumed at random: every ready key loads its own bytes, and once the
+    server is back for good, the remote serves again."""
+    rng = random.Random(13)
+    first = Engine(make_store(valkey_server.url, timeout_s=0.1), cpu_blocks=3)
+    second = Engine(make_store(valkey_server.url, timeout_s=0.1), cpu_blocks=3)
+    engines += [first, second]
+    keys = range(12)
+    paused = False
+    for _ in range(60):
+        engine = rng.choice((first, second))
+        action = rng.random()
+        if action < 0.4:
+            key = rng.choice(keys)
+            if engine.offloader.lookup(key) is Lookup.MISS:
+                engine.store(key)
+        elif action < 0.8:
+            engine.offloader.fetch(rng.sample(keys, 3))
+            if rng.random() < 0.5:
+                engine.settle()
+        elif action < 0.87 and not paused:
+            valkey_server.kill()
+            valkey_server.start()  # empty
+        elif action < 0.94:
+            if paused:
+                valkey_server.resume()
+            else:
+                valkey_server.pause()
+            paused = not paused
+        for each in (first, second):
+            each.offloader.poll()
+            each.check_ready_bytes(keys)
+    if paused:
+        valkey_server.resume()
+    for engine in (first, second):
+        engine.settle()
+        engine.check_ready_bytes(keys)
+    time.sleep(0.1)
+    for key in range(20, 30):  # the first call on a connection the restart broke may fail
+        first.store(key)  # from the fourth on, each evicts one of these: written back
+    wanted = [24, 25, 26]
+    for _ in range(3):  # the reader's connection too may be a dead one, found on first use
+        fetched = second.fetch(wanted)
+        wanted = [key for key, ok in fetched.items() if not ok]
+        if not wanted:
+            break
+        time.sleep(0.1)  # past retry_after_s
+    assert wanted == [], (second.stats(), first.stats())
+    assert second.check_ready_bytes([24, 25, 26]) == [24, 25, 26]
+    for engine in (first, second):
+        stats = engine.stats()
+        assert stats.store is not None
+        assert_accounted(stats.store)
+        assert stats.fetch_hits + stats.fetch_misses == stats.fetch_keys
+        assert stats.written + stats.not_written == stats.write_keys
