@@ -210,6 +210,22 @@ def test_bad_remote_options_raise_before_any_pool(options: dict[str, object]) ->
         Offloader([torch.zeros(2, 16, dtype=torch.uint8)], num_cpu_blocks=2, **options)  # type: ignore[arg-type]
 
 
+def test_an_offloader_without_remote_loads_no_remote_code() -> None:
+    program = (
+        "import sys, torch\n"
+        "from kvoffload import Offloader\n"
+        "offloader = Offloader([torch.zeros(4, 64, dtype=torch.uint8)], num_cpu_blocks=2)\n"
+        "offloader.store([1], [0]); offloader.wait(); offloader.poll(); offloader.close()\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('valkey', 'xxhash', \n"
+        "    'kvoffload.tiers.background', 'kvoffload.tiers.valkey_store'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_without_remote_nothing_changes() -> None:
     engine = Engine(None)
     for key in range(4):

@@ -502,6 +502,8 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
             )
     except PolicyContractError as error:
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
+    except ImportError as error:  # --remote without the client: pip install 'kvoffload[remote]'
+        return _fail(args, str(error))
     if args.json:
         _print_json(shared.to_json())
     else:
