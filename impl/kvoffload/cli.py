@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from kvoffload.checking.verify import VerifyReport
-    from kvoffload.simulate import SimulationReport
+    from kvoffload.simulate import SimulationConfig, SimulationReport
     from kvoffload.sweep import SweepResult
     from kvoffload.traces import Trace
 
@@ -154,6 +154,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="replay only the first N requests",
+    )
+    simulate.add_argument(
+        "--remote",
+        default=None,
+        metavar="URL",
+        help="a Valkey/Redis server (redis://host:port/db) behind every engine's CPU pool: "
+        "evicted blocks are written back to it, CPU misses fetched from it (default: none)",
+    )
+    simulate.add_argument(
+        "--instances",
+        type=_count("instances"),
+        default=1,
+        metavar="N",
+        help="N engines serving the trace's requests in turn (request i on engine i mod N), "
+        "each with the sizes above, sharing --remote (default: 1)",
+    )
+    simulate.add_argument(
+        "--remote-mode",
+        choices=("write-back", "write-through"),
+        default="write-back",
+        help="with --remote: write each block the CPU pool evicts (write-back), or each "
+        "block once stored (write-through) (default: %(default)s)",
     )
     _add_json_argument(simulate)
     simulate.set_defaults(command=_run_simulate, command_name="simulate")
@@ -338,6 +360,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     )
     from kvoffload.policies.base import PolicyContractError
 
+    if args.remote is not None or args.instances > 1:
+        return _run_simulate_shared(args, trace, config)
     console = _console(stderr=True)
     try:
         with _progress(console, enabled=not args.json) as progress:
@@ -458,6 +482,51 @@ def _table(
         natural = Measurement.get(console, console.options.update_width(1_000), table).maximum
         console.width = max(console.width, natural)
     console.print(table)
+
+
+def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: SimulationConfig) -> int:
+    from kvoffload.policies.base import PolicyContractError
+    from kvoffload.simulate import simulate_shared
+
+    console = _console(stderr=True)
+    try:
+        with _progress(console, enabled=not args.json) as progress:
+            task = progress.add_task(f"replaying {trace.name}", total=None)
+            shared = simulate_shared(
+                trace,
+                config,
+                instances=args.instances,
+                remote_url=args.remote,
+                remote_mode=args.remote_mode,
+                on_request=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+    except PolicyContractError as error:
+        return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
+    except ImportError as error:  # --remote without the client: pip install 'kvoffload[remote]'
+        return _fail(args, str(error))
+    if args.json:
+        _print_json(shared.to_json())
+    else:
+        total = shared.total
+        where = f", remote {args.remote}" if args.remote else ", no remote"
+        _table(
+            f"kvoffload simulate: {trace.name}, {total.requests:,} requests on "
+            f"{args.instances} engines{where}",
+            ["", "all engines", *(f"engine {i}" for i in range(args.instances))],
+            _shared_rows(total, shared.engines),
+            numeric=False,
+        )
+    if not shared.all_loads_verified:
+        wrong = sum(report.load_mismatches for report in shared.engines)
+        return _fail(args, f"{wrong} loaded blocks differ from what was stored")
+    return EXIT_OK
+
+
+def _shared_rows(total: SimulationReport, engines: list[SimulationReport]) -> list[tuple[str, ...]]:
+    """The summary's rows, one column for the sum and one per engine."""
+    columns = [dict(total.summary_rows())] + [dict(report.summary_rows()) for report in engines]
+    columns[0]["manager call latency"] = "(per engine)"  # the samples are the engines'
+    return [(label, *(column.get(label, "") for column in columns)) for label in columns[0]]
 
 
 def _show_simulation(trace: Trace, report: SimulationReport) -> None:

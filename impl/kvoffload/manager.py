@@ -251,12 +251,18 @@ class OffloadManager:
         if victims is None:
             self._tally.rejected_stores += 1
             return None
-        self._evict(victims)
+        evicted_slots = self._evict(victims)
         plan_id = self._next_plan_id
         slots = self._place(candidates, plan_id)
         return self._open(
             StorePlan(
-                tuple(candidates), slots, tuple(victims), plan_id, self._generation, self._owner
+                tuple(candidates),
+                slots,
+                tuple(victims),
+                plan_id,
+                self._generation,
+                self._owner,
+                evicted_slots,
             )
         )
 
@@ -470,13 +476,16 @@ class OffloadManager:
                 f"it must choose {need} distinct evictable keys outside {protected!r}"
             )
 
-    def _evict(self, victims: list[Key]) -> None:
-        for key in victims:
-            heapq.heappush(self._freed, self._slot_of.pop(key))
+    def _evict(self, victims: list[Key]) -> tuple[int, ...]:
+        """Drop ``victims``; their slots, in eviction order (their bytes are still there)."""
+        slots = tuple(self._slot_of.pop(key) for key in victims)
+        for slot in slots:
+            heapq.heappush(self._freed, slot)
         self._num_evictable -= len(victims)
         self._policy.evict(victims)
         self._tally.evictions += len(victims)
         self._emit(victims, RemovalReason.EVICTED)
+        return slots
 
     def _place(self, candidates: list[Key], plan_id: int) -> tuple[int, ...]:
         """Make ``candidates`` pending in the lowest free slots, in call order."""

@@ -15,6 +15,12 @@ The engine, per request (the call order of :mod:`kvoffload.sweep`, with the data
 Every job finishes before the next request, so the device cache may reuse any block.
 Every manager call goes through a timing wrapper, so the report has real latencies; the
 CPU tier's hit ratio is also set against Belady's optimum on the same key stream.
+
+With a remote tier (``simulate_shared``: ``--remote URL --instances N``), N such engines
+serve the trace's requests in turn (request ``i`` goes to engine ``i mod N``), each with its
+own device cache and CPU pool, all writing back to one remote store; between steps 2 and 3,
+the ids after the CPU hits that the remote holds are fetched into the CPU pool and loaded
+with the CPU hits (the remote hits), so fewer are recomputed.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvoffload.belady import belady_hits
@@ -38,7 +44,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvoffload.manager import OffloadManager
-    from kvoffload.offloader import Finished, Offloader
+    from kvoffload.offloader import Finished, Offloader, RemoteMode
+    from kvoffload.tiers import RemoteStore
 
 
 @dataclass(frozen=True)
@@ -206,10 +213,15 @@ class SimulationReport:
     load_mismatches: int = 0
     wall_seconds: float = 0.0
     latency: dict[str, Latency] = field(default_factory=dict)
+    remote: RemoteTally | None = None  # with a remote tier only
+
+    @property
+    def remote_hits(self) -> int:
+        return 0 if self.remote is None else self.remote.hits
 
     @property
     def misses(self) -> int:
-        return self.block_refs - self.device_hits - self.cpu_hits
+        return self.block_refs - self.device_hits - self.cpu_hits - self.remote_hits
 
     def _ratio(self, count: int) -> float:
         return count / self.block_refs if self.block_refs else 0.0
@@ -279,7 +291,7 @@ class SimulationReport:
                 name: {"calls": t.calls, "p50": t.p50_us, "p99": t.p99_us, "max": t.max_us}
                 for name, t in self.latency.items()
             },
-        }
+        } | ({} if self.remote is None else {"remote": self.remote.to_json(self.block_refs)})
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """The summary table, as (label, value) rows."""
@@ -298,6 +310,7 @@ class SimulationReport:
                 "CPU tier vs Belady",
                 f"{self.cpu_fraction_of_belady:.1%} of the optimum {self.belady_cpu_hit_ratio:.4f}",
             ),
+            *([] if self.remote is None else self.remote.summary_rows(self.block_refs)),
             ("miss ratio (recomputed)", f"{self.miss_ratio:.4f}"),
             (
                 "stored",
@@ -327,6 +340,68 @@ class SimulationReport:
             ),
             ("wall time", f"{self.wall_seconds:.1f} s"),
         ]
+
+
+@dataclass
+class RemoteTally:
+    """What one engine did with the remote tier.
+
+    ``hits``: block refs served from the remote (fetched, then loaded); ``shared_hits``:
+    those of blocks this engine had never written back itself, so only another engine could
+    have put them there: the hits gained by sharing.
+    """
+
+    hits: int = 0
+    shared_hits: int = 0
+    fetched_blocks: int = 0  # fetches accepted (hits, and blocks past the first miss)
+    fetch_misses: int = 0
+    bytes_fetched: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    not_written: int = 0
+    failures: int = 0
+
+    def to_json(self, block_refs: int) -> dict[str, object]:
+        return {
+            "hits": self.hits,
+            "shared_hits": self.shared_hits,
+            "hit_ratio": _share(self.hits, block_refs),
+            "shared_hit_ratio": _share(self.shared_hits, block_refs),
+            "fetched_blocks": self.fetched_blocks,
+            "fetch_misses": self.fetch_misses,
+            "bytes_fetched": self.bytes_fetched,
+            "blocks_written": self.blocks_written,
+            "bytes_written": self.bytes_written,
+            "not_written": self.not_written,
+            "failures": self.failures,
+        }
+
+    def summary_rows(self, block_refs: int) -> list[tuple[str, str]]:
+        return [
+            ("remote hit ratio", f"{_share(self.hits, block_refs):.4f}"),
+            (
+                "gained by sharing",
+                f"{_share(self.shared_hits, block_refs):.4f} (blocks another engine wrote)",
+            ),
+            (
+                "remote traffic",
+                f"{self.blocks_written:,} blocks written ({_size(self.bytes_written)}), "
+                f"{self.fetched_blocks:,} fetched ({_size(self.bytes_fetched)})",
+            ),
+            (
+                "remote failures",
+                f"{self.failures:,} ({self.not_written:,} writes lost, "
+                f"{self.fetch_misses:,} fetches missed)",
+            ),
+        ]
+
+    def add(self, other: RemoteTally) -> None:
+        for name in vars(self):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def _share(count: int, total: int) -> float:
+    return count / total if total else 0.0
 
 
 def _size(nbytes: int) -> str:
@@ -363,6 +438,119 @@ def simulate(
             if on_request is not None and (done % 64 == 0 or done == len(requests)):
                 on_request(done, len(requests))
     return engine.finish(time.perf_counter() - started)
+
+
+@dataclass
+class SharedSimulationReport:
+    """``simulate_shared``: each engine's report, and their sum."""
+
+    trace: str
+    remote_url: str | None
+    engines: list[SimulationReport]
+    wall_seconds: float = 0.0
+
+    @property
+    def total(self) -> SimulationReport:
+        """The engines' counts added up (ratios over all their block refs)."""
+        first = self.engines[0]
+        total = SimulationReport(first.trace, first.config, first.backend)
+        total.remote = None if first.remote is None else RemoteTally()
+        for report in self.engines:
+            for name in (
+                "requests", "block_refs", "device_hits", "cpu_hits", "belady_cpu_hits",
+                "blocks_stored", "blocks_loaded", "bytes_stored", "bytes_loaded",
+                "store_seconds", "load_seconds", "evictions", "rejected_stores",
+                "fast_fail_rejections", "failed_stores", "load_mismatches",
+            ):  # fmt: skip
+                setattr(total, name, getattr(total, name) + getattr(report, name))
+            if total.remote is not None and report.remote is not None:
+                total.remote.add(report.remote)
+        total.wall_seconds = self.wall_seconds
+        return total
+
+    @property
+    def all_loads_verified(self) -> bool:
+        return all(report.all_loads_verified for report in self.engines)
+
+    def to_json(self) -> dict[str, object]:
+        """The format of ``kvoffload simulate --instances N --json``."""
+        return {
+            "trace": self.trace,
+            "remote": self.remote_url,
+            "instances": len(self.engines),
+            "total": self.total.to_json(),
+            "engines": [report.to_json() for report in self.engines],
+        }
+
+
+def simulate_shared(
+    trace: Trace,
+    config: SimulationConfig,
+    *,
+    instances: int,
+    remote_url: str | None,
+    remote_mode: RemoteMode = "write-back",
+    on_request: ProgressHook | None = None,
+) -> SharedSimulationReport:
+    """``instances`` engines, request ``i`` of ``trace`` served by engine ``i mod instances``,
+    each with the sizes of ``config`` and, with ``remote_url``, all writing back to and
+    fetching from one Valkey/Redis server (a fresh namespace per run: another run's blocks
+    are never read). A server down or failing counts failures; the run goes on locally.
+    """
+    check_count("instances", instances)
+    from kvoffload.offloader import REMOTE_MODES
+
+    if remote_mode not in REMOTE_MODES:
+        raise InvalidArgumentError(f"remote_mode must be one of {REMOTE_MODES}: {remote_mode!r}")
+    requests = _check(trace, config)
+    from kvoffload.manager import OffloadManager
+    from kvoffload.policies.loading import resolve_policy
+
+    policy = resolve_policy(config.policy)
+    device = _device()
+    # All the engines' pools and caches at once must fit.
+    _check_memory(
+        replace(
+            config,
+            gpu_blocks=config.gpu_blocks * instances,
+            cpu_blocks=config.cpu_blocks * instances,
+        ),
+        device,
+    )
+    stores = []
+    if remote_url is not None:
+        import uuid
+
+        from kvoffload.tiers import ValkeyStore
+
+        namespace = {
+            "kvoffload simulate": trace.name,
+            "block_bytes": config.block_bytes,
+            "run": uuid.uuid4().hex,
+        }
+        stores = [ValkeyStore(remote_url, namespace=namespace) for _ in range(instances)]
+    engines = [
+        _Engine(
+            trace.name,
+            config,
+            TimedManager(OffloadManager(config.cpu_blocks, policy)),
+            device,
+            remote=stores[i] if stores else None,
+            remote_mode=remote_mode,
+        )
+        for i in range(instances)
+    ]
+    started = time.perf_counter()
+    with _one_cpu_thread():
+        for done, request in enumerate(requests, start=1):
+            engines[(done - 1) % instances].serve(request)
+            if on_request is not None and (done % 64 == 0 or done == len(requests)):
+                on_request(done, len(requests))
+    wall = time.perf_counter() - started
+    reports = [engine.finish(wall) for engine in engines]
+    for store in stores:
+        store.close()
+    return SharedSimulationReport(trace.name, remote_url, reports, wall)
 
 
 @contextmanager
@@ -436,7 +624,13 @@ class _Engine:
     """One simulation's state: the device cache and its tensor, the offloader, the tallies."""
 
     def __init__(
-        self, name: str, config: SimulationConfig, manager: TimedManager, device: torch.device
+        self,
+        name: str,
+        config: SimulationConfig,
+        manager: TimedManager,
+        device: torch.device,
+        remote: RemoteStore | None = None,
+        remote_mode: RemoteMode = "write-back",
     ) -> None:
         import torch
 
@@ -447,12 +641,21 @@ class _Engine:
             (config.gpu_blocks, config.block_bytes), dtype=torch.uint8, device=device
         )
         self.offloader: Offloader = Offloader(
-            [self.kv], num_cpu_blocks=config.cpu_blocks, manager=manager
+            [self.kv],
+            num_cpu_blocks=config.cpu_blocks,
+            manager=manager,
+            remote=remote,
+            remote_mode=remote_mode,
         )
+        self.remote_mode = remote_mode
+        self.remote = remote
+        self.written_back: set[Key] = set()  # every key this engine wrote to the remote
         self.device_cache = DevicePrefixCache(config.gpu_blocks)
         self.content = BlockContent(config.block_bytes, device)
         self.cpu_stream: list[Request] = []
         self.report = SimulationReport(name, config, device.type)
+        if remote is not None:
+            self.report.remote = RemoteTally()
         self._device = device
 
     def serve(self, request: Request) -> None:
@@ -471,12 +674,57 @@ class _Engine:
         report.cpu_hits += cpu_hits
         if cpu_hits:
             self._load(list(dict.fromkeys(cpu_ids[:cpu_hits])))
-        self._recompute(list(dict.fromkeys(cpu_ids[cpu_hits:])))
+        loaded = cpu_hits
+        if self.remote is not None:
+            # After the CPU hits' load: a fetch may evict them from the pool.
+            remote_hits = self._fetch(cpu_ids[cpu_hits:])
+            fetched = list(dict.fromkeys(cpu_ids[cpu_hits : cpu_hits + remote_hits]))
+            if fetched:
+                self._load(fetched)
+            loaded += remote_hits
+        self._recompute(list(dict.fromkeys(cpu_ids[loaded:])))
         plan = self.offloader.store(cpu_ids, self._device_blocks(cpu_ids)) if cpu_ids else None
         self.offloader.touch(cpu_ids)
         if plan is not None:
-            self.offloader.wait([plan])
+            self._written_back(plan)
+            # With a remote, its writes too: the queue never fills, no write is dropped.
+            self.offloader.wait(None if self.remote is not None else [plan])
             self._account(self.offloader.poll())
+
+    def _fetch(self, ids: Sequence[BlockId]) -> int:
+        """Fetch the prefix of ``ids`` the remote holds into the CPU pool; the remote hits:
+        how many of ``ids``, from the first, are ready in the CPU pool now."""
+        assert self.remote is not None and self.report.remote is not None
+        tally = self.report.remote
+        distinct = list(dict.fromkeys(ids))
+        # Ask which ones the server has first (one round trip, no CPU block taken): a fetch
+        # of a key it lacks would evict a local block for nothing.
+        held = self.remote.contains(distinct) if distinct else []
+        wanted = distinct[: held.index(False) if False in held else len(held)]
+        if not wanted:
+            return 0
+        for plan in self.offloader.fetch(wanted):
+            self._written_back(plan, fetched=True)
+        self.offloader.wait()
+        self._account(self.offloader.poll())
+        hits = 0
+        for key in ids:
+            if self.offloader.lookup(key) is not Lookup.HIT:
+                break
+            hits += 1
+            tally.shared_hits += key not in self.written_back
+        tally.hits += hits
+        return hits
+
+    def _written_back(self, plan: StorePlan, fetched: bool = False) -> None:
+        """Note the keys this engine writes to the remote: the victims (write-back), or the
+        keys stored (write-through; a fetch's key came from the remote, it is not written)."""
+        if self.remote is None:
+            return
+        if self.remote_mode == "write-back":
+            self.written_back.update(plan.evicted_keys)
+        elif not fetched:
+            self.written_back.update(plan.keys)
 
     def _device_blocks(self, keys: Sequence[BlockId]) -> list[int]:
         return [self.device_cache.slots[key] for key in keys]
@@ -508,6 +756,12 @@ class _Engine:
         report = self.report
         for done in finished:
             result = done.result
+            if done.fetched:
+                assert report.remote is not None
+                report.remote.fetched_blocks += done.ok
+                report.remote.fetch_misses += not done.ok
+                report.remote.bytes_fetched += result.nbytes
+                continue
             if isinstance(done.plan, StorePlan):
                 report.store_seconds += result.seconds
                 if done.ok:
@@ -524,6 +778,12 @@ class _Engine:
     def finish(self, wall_seconds: float) -> SimulationReport:
         self.offloader.close()
         report = self.report
+        remote = self.offloader.remote_stats()
+        if remote is not None and report.remote is not None:
+            report.remote.blocks_written = remote.written
+            report.remote.bytes_written = remote.written_bytes
+            report.remote.not_written = remote.not_written
+            report.remote.failures = remote.failures
         stats = self.manager.inner.stats()
         report.evictions = stats.evictions
         report.rejected_stores = stats.rejected_stores

@@ -211,9 +211,11 @@ class SpecState:
             if chosen is None:
                 return None
             victims = chosen
+        evicted_block_ids: list[int] = []
         for key in victims:
             assert self.evictable(key) and key not in distinct
-            self._free(self.blocks.pop(key).block_id)
+            evicted_block_ids.append(self.blocks.pop(key).block_id)
+            self._free(evicted_block_ids[-1])
             self.num_evictable -= 1
         self.order.evict(victims)
         self._emit(BlocksRemoved(tuple(victims), RemovalReason.EVICTED))
@@ -234,6 +236,7 @@ class SpecState:
                 plan_id,
                 self.generation,
                 self.owner,
+                tuple(evicted_block_ids),
             )
         )
 

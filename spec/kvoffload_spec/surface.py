@@ -28,7 +28,9 @@ class Lookup(enum.Enum):
 class StorePlan:
     """What ``prepare_store`` decided: copy ``keys[i]`` into CPU block id ``block_ids[i]``.
 
-    ``evicted_keys`` were dropped, in eviction order, to make room. The identity fields
+    ``evicted_keys`` were dropped, in eviction order, to make room; ``evicted_block_ids[i]``
+    is the CPU block id ``evicted_keys[i]`` held (its bytes are still there until the new
+    store's job writes them: a tier behind the pool reads them first). The identity fields
     (``plan_id``, ``generation``, ``owner``) let ``complete_store`` refuse a plan completed
     twice or issued by another manager, and ignore a plan made before a reset.
     """
@@ -39,6 +41,7 @@ class StorePlan:
     plan_id: int
     generation: int
     owner: int = field(compare=False)
+    evicted_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

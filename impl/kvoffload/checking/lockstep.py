@@ -415,7 +415,8 @@ def shown(result: object) -> str:
     if isinstance(result, StorePlan):
         return (
             f"StorePlan(keys={list(result.keys)!r}, block_ids={list(result.block_ids)!r}, "
-            f"evicted={list(result.evicted_keys)!r}, plan_id={result.plan_id}, "
+            f"evicted={list(result.evicted_keys)!r}, "
+            f"evicted_block_ids={list(result.evicted_block_ids)!r}, plan_id={result.plan_id}, "
             f"generation={result.generation})"
         )
     if isinstance(result, LoadPlan):
