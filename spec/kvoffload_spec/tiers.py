@@ -188,11 +188,10 @@ def apply(world: TierWorld, op: TierOp, keys: Sequence[Key]) -> TierWorld | None
     if op.name in (STORE, FETCH):
         if pool.lookup(op.key) is not Lookup.MISS:
             return None
-        slots_before = {key: block.block_id for key, block in pool.state.blocks.items()}
         plan = pool.prepare_store([op.key])
         if plan is None:
             return None
-        _evicted(world, plan, slots_before)
+        _evicted(world, plan)
         if op.name == STORE:  # from the device: its job copies the key's own bytes
             world.memory[plan.block_ids[0]] = own(op.key)
             pool.complete_store(plan)
@@ -217,11 +216,10 @@ def apply(world: TierWorld, op: TierOp, keys: Sequence[Key]) -> TierWorld | None
     return world
 
 
-def _evicted(world: TierWorld, plan: StorePlan, slots_before: dict[Key, int]) -> None:
+def _evicted(world: TierWorld, plan: StorePlan) -> None:
     """Each victim's bytes leave for the remote: a write-back in flight."""
     late = not world.rules.write_back_reads_at_eviction()
-    for key in plan.evicted_keys:
-        block_id = slots_before[key]
+    for key, block_id in zip(plan.evicted_keys, plan.evicted_block_ids, strict=True):
         value = None if late else world.memory.get(block_id)
         world.write_backs += (WriteBack(key, value, block_id),)
 
