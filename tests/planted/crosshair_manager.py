@@ -1,7 +1,8 @@
 """Planted bugs in the manager that its CrossHair contracts must refute
 (``kvoffload.checking.contracts``). Each binds only the check that must catch it, to a
 ``CheckedManager`` (not to ``LruChecks``: a check inherited and bound again would be
-analysed twice); CrossHair runs ``tests.planted.crosshair_manager.<Class>.<check>``."""
+analysed twice); where the kit's catalogue has the same bug, the class is that bug's with
+the check bound. CrossHair runs ``tests.planted.crosshair_manager.<Class>.<check>``."""
 
 from __future__ import annotations
 
@@ -10,21 +11,15 @@ from collections.abc import Container
 
 from kvoffload.checking import contracts
 from kvoffload.checking.contracts import CheckedManager
-from kvoffload_spec.surface import Key, Plan, StorePlan
-from kvoffload_spec.validation import check_flag
+from kvoffload_spec.surface import Key, Plan
+from tests.planted import manager as broken
 
 
-class CounterNotRestoredOnLoad(CheckedManager):
+class CounterNotRestoredOnLoad(broken.CounterNotRestoredOnLoad, CheckedManager):
     """complete_load makes the block evictable but forgets the counter (LMCache #987)."""
 
     POLICY = "lru"
     check_complete_load = contracts.check_complete_load
-
-    def _unpin(self, key: Key) -> None:
-        slot = self._slot_of[key]
-        self._refs[slot] -= 1
-        if not self._refs[slot]:
-            self._policy.mark_evictable(key)
 
 
 class EvictsBeforeGivingUp(CheckedManager):
@@ -44,24 +39,13 @@ class EvictsBeforeGivingUp(CheckedManager):
         return super()._make_room(count, protected)
 
 
-class StaleStoreCompletionApplied(CheckedManager):
+class StaleStoreCompletionApplied(broken.StaleStoreCompletionApplied, CheckedManager):
     """The ABA hazard (vLLM #48090): a store plan made before reset_cache marks ready a key
     stored again since, whose new store job has not written it yet.
     """
 
     POLICY = "lru"
     check_complete_store = contracts.check_complete_store
-
-    def complete_store(self, plan: StorePlan, success: bool = True) -> None:
-        check_flag("success", success)
-        plan = self._close(plan, StorePlan)
-        done = [key for key in plan.keys if key in self._storing]  # by key, not by plan
-        for key in done:
-            del self._storing[key]
-        if success:
-            self._mark_stored(done)
-        else:
-            self._drop_failed(done)
 
 
 class AbandonFreesSlotsAtOnce(CheckedManager):
