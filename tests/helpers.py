@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
+from kvoffload.cli import main
 from kvoffload.policies.base import EvictionPolicy
 
 
@@ -22,3 +25,10 @@ def every_field(manager: object) -> str:
 def reported(problems: list[str], pattern: str) -> bool:
     """Whether one of ``problems`` is, word for word, the message ``pattern`` describes."""
     return any(re.fullmatch(pattern, problem) for problem in problems)
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``kvoffload ARGV`` in this process: the exit status, stdout and stderr."""
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

@@ -1,10 +1,22 @@
-"""What the remote tier's tests share besides the server (tests/valkey_server.py)."""
+"""What the remote tier's tests share besides the server (tests/valkey_server.py): value
+blocks, the stats' accounting, and a small engine around an Offloader with a remote tier
+(also run as a script by the two-process test)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from kvoffload.tiers import RemoteStats
+import torch
+
+from kvoffload import Offloader
+from kvoffload.offloader import Finished, RemoteOffloadStats
+from kvoffload.tiers import RemoteStats, ValkeyStore
+from kvoffload_spec.surface import Lookup, StorePlan
+
+if TYPE_CHECKING:
+    pass
 
 LAYOUT = {"model": "tiny-llama", "dtype": "bfloat16", "block_tokens": 16, "layers": 2}
 
@@ -26,3 +38,78 @@ def assert_accounted(stats: RemoteStats) -> None:
     )
     assert stats.keys_stored + stats.keys_not_stored == stats.keys_offered
     assert stats.failures == stats.timeouts + stats.connection_errors + stats.server_errors, stats
+
+
+BLOCK_BYTES = 4096
+DEVICE_BLOCKS = 4  # 0-2 take stores, 3 is the scratch block loads land in
+SCRATCH = DEVICE_BLOCKS - 1
+
+
+def content(key: int) -> bytes:
+    """The bytes stored under ``key``, in every offloader of the test."""
+    return random.Random(key).randbytes(BLOCK_BYTES)
+
+
+def make_store(url: str, *, timeout_s: float = 0.5) -> ValkeyStore:
+    return ValkeyStore(url, namespace=LAYOUT, timeout_s=timeout_s, retry_after_s=0.05)
+
+
+class Engine:
+    """One offloader over a one-tensor device cache, and the checks of its bytes."""
+
+    def __init__(
+        self,
+        store: ValkeyStore | None,
+        cpu_blocks: int = 2,
+        cls: type[Offloader] = Offloader,
+        **options: object,
+    ) -> None:
+        self.cache = torch.zeros(DEVICE_BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
+        self.reported: list[Finished] = []  # every plan poll reported, in order
+        self.offloader = cls(
+            [self.cache],
+            num_cpu_blocks=cpu_blocks,
+            remote=store,
+            **options,  # type: ignore[arg-type]
+        )
+
+    def store(self, key: int) -> StorePlan | None:
+        """Compute ``key``'s block on the device, offload it, wait for it."""
+        self.cache[0] = torch.frombuffer(bytearray(content(key)), dtype=torch.uint8)
+        plan = self.offloader.store([key], [0])
+        self.settle()
+        return plan
+
+    def settle(self) -> list[Finished]:
+        assert self.offloader.wait(timeout=30)
+        finished = self.offloader.poll()
+        self.reported += finished
+        return finished
+
+    def fetch(self, keys: Sequence[int]) -> dict[object, bool]:
+        plans = self.offloader.fetch(list(keys))
+        finished = self.settle()
+        fetched = {f.plan.keys[0]: f.ok for f in finished if f.fetched}
+        assert set(fetched) == {plan.keys[0] for plan in plans}
+        return fetched
+
+    def check_ready_bytes(self, keys: Sequence[int]) -> list[int]:
+        """Load every key of ``keys`` that is ready and compare its bytes; the ready ones."""
+        ready = []
+        for key in keys:
+            if self.offloader.lookup(key) is not Lookup.HIT:
+                continue
+            self.cache[SCRATCH].zero_()
+            self.offloader.load([key], [SCRATCH])
+            self.settle()
+            assert bytes(self.cache[SCRATCH].numpy()) == content(key), f"key {key}: wrong bytes"
+            ready.append(key)
+        return ready
+
+    def stats(self) -> RemoteOffloadStats:
+        stats = self.offloader.remote_stats()
+        assert stats is not None
+        return stats
+
+    def close(self) -> None:
+        self.offloader.close(timeout=30)

@@ -11,20 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvoffload.cli import main
 from kvoffload.policies import BUILTIN_POLICIES, resolve_policy
 from kvoffload.policies.lru import LruPolicy
 from kvoffload.sweep import SWEEP_POLICIES, cpu_stream, new_manager, replay
 from kvoffload.traces import load_trace
 from kvoffload_spec.errors import InvalidArgumentError
+from tests.helpers import run_cli
 from tests.planted import VERIFY, Planted, share
 from tests.planted.policies import UserPolicyBug
 
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+run = run_cli
 
 
 def write_trace(path: Path, *requests: list[int]) -> str:

@@ -22,89 +22,20 @@ import pytest
 import torch
 
 from kvoffload import Offloader
-from kvoffload.offloader import Finished, NoRemoteTierError, RemoteOffloadStats
-from kvoffload.tiers import ValkeyStore
+from kvoffload.offloader import NoRemoteTierError
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key, Lookup, StorePlan
-from tests.remote_support import LAYOUT, assert_accounted
+from tests.remote_support import (
+    BLOCK_BYTES,
+    Engine,
+    assert_accounted,
+    content,
+    make_store,
+)
 from tests.valkey_server import ValkeyServer, free_port
 
 if TYPE_CHECKING:
     from kvoffload.transfer.engine import BlockIds
-
-BLOCK_BYTES = 4096
-DEVICE_BLOCKS = 4  # 0-2 take stores, 3 is the scratch block loads land in
-SCRATCH = DEVICE_BLOCKS - 1
-
-
-def content(key: int) -> bytes:
-    """The bytes stored under ``key``, in every offloader of the test."""
-    return random.Random(key).randbytes(BLOCK_BYTES)
-
-
-def make_store(url: str, *, timeout_s: float = 0.5) -> ValkeyStore:
-    return ValkeyStore(url, namespace=LAYOUT, timeout_s=timeout_s, retry_after_s=0.05)
-
-
-class Engine:
-    """One offloader over a one-tensor device cache, and the checks of its bytes."""
-
-    def __init__(
-        self,
-        store: ValkeyStore | None,
-        cpu_blocks: int = 2,
-        cls: type[Offloader] = Offloader,
-        **options: object,
-    ) -> None:
-        self.cache = torch.zeros(DEVICE_BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
-        self.reported: list[Finished] = []  # every plan poll reported, in order
-        self.offloader = cls(
-            [self.cache],
-            num_cpu_blocks=cpu_blocks,
-            remote=store,
-            **options,  # type: ignore[arg-type]
-        )
-
-    def store(self, key: int) -> StorePlan | None:
-        """Compute ``key``'s block on the device, offload it, wait for it."""
-        self.cache[0] = torch.frombuffer(bytearray(content(key)), dtype=torch.uint8)
-        plan = self.offloader.store([key], [0])
-        self.settle()
-        return plan
-
-    def settle(self) -> list[Finished]:
-        assert self.offloader.wait(timeout=30)
-        finished = self.offloader.poll()
-        self.reported += finished
-        return finished
-
-    def fetch(self, keys: Sequence[int]) -> dict[object, bool]:
-        plans = self.offloader.fetch(list(keys))
-        finished = self.settle()
-        fetched = {f.plan.keys[0]: f.ok for f in finished if f.fetched}
-        assert set(fetched) == {plan.keys[0] for plan in plans}
-        return fetched
-
-    def check_ready_bytes(self, keys: Sequence[int]) -> list[int]:
-        """Load every key of ``keys`` that is ready and compare its bytes; the ready ones."""
-        ready = []
-        for key in keys:
-            if self.offloader.lookup(key) is not Lookup.HIT:
-                continue
-            self.cache[SCRATCH].zero_()
-            self.offloader.load([key], [SCRATCH])
-            self.settle()
-            assert bytes(self.cache[SCRATCH].numpy()) == content(key), f"key {key}: wrong bytes"
-            ready.append(key)
-        return ready
-
-    def stats(self) -> RemoteOffloadStats:
-        stats = self.offloader.remote_stats()
-        assert stats is not None
-        return stats
-
-    def close(self) -> None:
-        self.offloader.close(timeout=30)
 
 
 @pytest.fixture
@@ -387,7 +318,7 @@ def test_planted_bugs_load_wrong_bytes_and_are_caught(
 
 WRITER = """
 import hashlib, json, sys
-from tests.test_offloader_remote import Engine, content, make_store
+from tests.remote_support import Engine, content, make_store
 engine = Engine(make_store(sys.argv[1]))
 for key in range(int(sys.argv[2])):
     engine.store(key)
@@ -399,7 +330,7 @@ print(json.dumps({"written": stats.written, "not_written": stats.not_written}))
 READER = """
 import hashlib, json, sys
 from kvoffload_spec.surface import Lookup
-from tests.test_offloader_remote import SCRATCH, Engine, make_store
+from tests.remote_support import SCRATCH, Engine, make_store
 engine = Engine(make_store(sys.argv[1]), cpu_blocks=8)
 count = int(sys.argv[2])
 fetched = engine.fetch(range(count))

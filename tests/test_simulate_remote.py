@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_cli import run
+from tests.helpers import run_cli as run
 from tests.valkey_server import ValkeyServer, free_port
 
 SLICE = ["--trace", "conversation", "--requests", "300", "--gpu-blocks", "256"]
