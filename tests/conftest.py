@@ -49,3 +49,14 @@ def valkey_server() -> Iterator[ValkeyServer]:
     """A real Valkey server of this test's own on 127.0.0.1 (tests/valkey_server.py)."""
     with ValkeyServer() as server:
         yield server
+
+
+# The docs' examples that run the conformance kit for seconds: the full gate, not the inner
+# loop (every other page's examples stay in it).
+SLOW_DOCS = ("conformance.md",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SLOW_DOCS and item.path.parent.name == "docs":
+            item.add_marker(pytest.mark.slow)

@@ -250,6 +250,7 @@ class RenamedLru(LruPolicy):
     """A user's policy that is LRU under another name: legal victims, so it conforms."""
 
 
+@pytest.mark.slow  # whole verify runs
 @pytest.mark.parametrize("entry", share(VERIFY), ids=lambda bug: bug.name)
 def test_verify_finds_its_share_of_the_catalogue(
     entry: Planted, capsys: pytest.CaptureFixture[str]
@@ -269,6 +270,7 @@ def test_verify_finds_its_share_of_the_catalogue(
     assert "1. prepare_store(" in counterexample
 
 
+@pytest.mark.slow  # whole verify runs
 @pytest.mark.parametrize("policy", ["lru", f"{__name__}:RenamedLru"])
 def test_verify_passes_a_conforming_policy(policy: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["verify", "--policy", policy, "--budget", "2", "--json"], capsys)

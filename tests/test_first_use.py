@@ -54,6 +54,7 @@ def test_the_installed_command_imports_a_policy_module_from_the_working_director
     assert '"passed": true' in done.stdout
 
 
+@pytest.mark.slow  # a conformance run in a subprocess
 def test_the_shipped_example_policy_conforms_from_its_directory() -> None:
     done = kvoffload(
         "verify", "--policy", "mypolicies:SlruPolicy", "--budget", "3", "--json", cwd=EXAMPLES
@@ -157,6 +158,7 @@ def test_the_python_dash_m_spelling_still_finds_the_working_directory(tmp_path: 
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow  # a conformance run in a subprocess
 def test_the_broken_example_policy_is_caught_as_the_user_guide_shows() -> None:
     done = kvoffload(
         "verify", "--policy", "mypolicies:GivesUpOnProtected", "--budget", "60", cwd=EXAMPLES
@@ -384,6 +386,7 @@ def test_a_conformance_failure_is_the_history_of_manager_calls_and_the_two_resul
     assert sum(bool(re.match(r"  \d+\. ", line)) for line in lines) <= 15, lines
 
 
+@pytest.mark.slow  # a verify run of its full budget
 def test_verify_prints_a_conformance_counterexample_as_a_history(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -431,6 +434,7 @@ def test_the_readme_integration_example_runs_as_written(
     assert printed == promised
 
 
+@pytest.mark.slow  # a verify run of its full budget
 def test_the_readme_verify_command_runs_as_written() -> None:
     line = next(line for line in README.splitlines() if line.startswith("$ cd docs/examples"))
     command = line.removeprefix("$ ").split("  #")[0]

@@ -169,6 +169,7 @@ def test_without_remote_nothing_changes() -> None:
 # -- faults ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_server_down_at_start_then_up(engines: list[Engine]) -> None:
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
@@ -196,6 +197,7 @@ def test_server_down_at_start_then_up(engines: list[Engine]) -> None:
         engines.clear()
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_then_restarted_empty(
     valkey_server: ValkeyServer, engines: list[Engine]
 ) -> None:
@@ -221,6 +223,7 @@ def test_server_killed_mid_run_then_restarted_empty(
         assert_accounted(engine.stats().store)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_server_stalled_fetches_miss_after_the_timeout_then_resume(
     valkey_server: ValkeyServer, engines: list[Engine]
 ) -> None:
@@ -374,6 +377,7 @@ def test_a_second_process_fetches_the_first_ones_evicted_blocks_byte_exact(
 # -- faults at random moments ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_random_faults_never_load_a_wrong_byte(
     valkey_server: ValkeyServer, engines: list[Engine]
 ) -> None:

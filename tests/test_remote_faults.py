@@ -19,6 +19,8 @@ from kvoffload.tiers import RemoteStats, ValkeyStore
 from tests.remote_support import LAYOUT, assert_accounted, blocks
 from tests.valkey_server import ValkeyServer, free_port
 
+pytestmark = pytest.mark.slow  # killed, stalled, restarted servers: the full gate only
+
 KiB, MiB = 1 << 10, 1 << 20
 # Long enough for loopback round trips on a busy machine (the gate runs tests in parallel on
 # two cores), short enough to keep the stall tests quick.
@@ -191,6 +193,7 @@ print(json.dumps({"stored": store.put([("prefix", i) for i in range(count)], val
 READER = """
 import hashlib, json, random, sys
 from kvoffload.tiers import ValkeyStore
+
 url, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 # the same description, its keys in another order: the same namespace
 store = ValkeyStore(url, namespace={"dtype": "bfloat16", "layers": 2, "model": "tiny-llama"})

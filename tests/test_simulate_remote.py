@@ -11,6 +11,8 @@ import pytest
 from tests.helpers import run_cli as run
 from tests.valkey_server import ValkeyServer, free_port
 
+pytestmark = pytest.mark.slow  # whole simulations on a server: the full gate only
+
 SLICE = ["--trace", "conversation", "--requests", "300", "--gpu-blocks", "256"]
 SMALL = [*SLICE, "--cpu-blocks", "400", "--block-bytes", "1KiB", "--json"]
 
