@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -35,33 +36,37 @@ def test_the_declared_license_ships_with_the_package() -> None:
     assert "Apache License" in text and "Version 2.0, January 2004" in text
 
 
-def test_the_product_imports_no_checker() -> None:
+def loaded_after(statement: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules whose names start with ``prefixes`` that ``statement`` loads, in a
+    fresh interpreter."""
     probe = (
         "import sys\n"
-        "from kvoffload import OffloadManager, Offloader\n"
-        "checkers = ('hypothesis', 'crosshair', 'kvoffload_spec.explore',"
-        " 'kvoffload.checking', 'kvoffload.conformance')\n"
-        "print(sorted(m for m in sys.modules if m.startswith(checkers)))\n"
+        f"{statement}\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({prefixes!r})))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
     )
-    assert done.stdout.strip() == "[]"
+    loaded: list[str] = ast.literal_eval(done.stdout.strip())
+    return loaded
+
+
+def test_the_product_imports_no_checker() -> None:
+    checkers = (
+        "hypothesis",
+        "crosshair",
+        "kvoffload_spec.explore",
+        "kvoffload.checking",
+        "kvoffload.conformance",
+    )
+    assert loaded_after("from kvoffload import OffloadManager, Offloader", checkers) == []
 
 
 def test_the_manager_does_not_load_the_spec_state_machine() -> None:
     """The manager needs the spec's errors, plans and validators, not its model: that loads
     only when a checker asks for the abstraction."""
-    probe = (
-        "import sys\n"
-        "import kvoffload.manager\n"
-        "machine = ('kvoffload_spec.model', 'kvoffload_spec.state', 'kvoffload.checking')\n"
-        "print(sorted(m for m in sys.modules if m.startswith(machine)))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
-    )
-    assert done.stdout.strip() == "[]"
+    machine = ("kvoffload_spec.model", "kvoffload_spec.state", "kvoffload.checking")
+    assert loaded_after("import kvoffload.manager", machine) == []
 
 
 def test_no_test_module_imports_another() -> None:

@@ -87,29 +87,39 @@ class CrossHairTarget:
         return f"{self.broken.__module__}.{self.broken.__name__}.{self.check}"
 
 
+Subject = (
+    Variant
+    | ManagerBug
+    | TierRules
+    | CrossHairTarget
+    | broken_ids.PlantedIdBug
+    | broken_races.PlantedRace
+    | broken_layouts.StrictStrideBug
+    | type[Offloader]
+    | broken_policies.UserPolicyBug
+)
+"""What a planted bug is: the broken thing its checkers are handed."""
+
+
 @dataclass(frozen=True)
 class Planted:
     name: str
     bug: str
-    subject: (
-        Variant
-        | ManagerBug
-        | TierRules
-        | CrossHairTarget
-        | broken_ids.PlantedIdBug
-        | broken_races.PlantedRace
-        | broken_layouts.StrictStrideBug
-        | type[Offloader]
-        | broken_policies.UserPolicyBug
-    )
+    subject: Subject
     found_by: frozenset[str]
+
+
+def _planted(name: str, documented: object, subject: Subject, *by: str) -> Planted:
+    """An entry whose bug, in words, is ``documented``'s docstring on one line (else its
+    name)."""
+    said = " ".join((getattr(documented, "__doc__", None) or name).split())
+    return Planted(name, said, subject, frozenset(by))
 
 
 def _entry(
     name: str, broken: type[OffloadManager] | type[EvictionPolicy], policy: str | None, *by: str
 ) -> Planted:
-    said = " ".join((broken.__doc__ or name).split())
-    return Planted(name, said, ManagerBug(broken, policy), frozenset(by))
+    return _planted(name, broken, ManagerBug(broken, policy), *by)
 
 
 _SPEC = tuple(
@@ -200,7 +210,7 @@ _MANAGERS = (
 )
 
 _TIERS = tuple(
-    Planted(rules.__name__, " ".join((rules.__doc__ or "").split()), rules(), frozenset({TIERS}))
+    _planted(rules.__name__, rules, rules(), TIERS)
     for rules in (
         broken_tiers.AcceptsAnotherKeysValue,
         broken_tiers.AcceptsAPartialValue,
@@ -214,9 +224,7 @@ _TIERS = tuple(
 
 def _contract(cls: type[OffloadManager]) -> Planted:
     checks = [name for name in vars(cls) if name.startswith("check_")]
-    said = " ".join((cls.__doc__ or cls.__name__).split())
-    subject = CrossHairTarget(cls, checks[0])
-    return Planted(cls.__name__, said, subject, frozenset({MANAGER_CROSSHAIR}))
+    return _planted(cls.__name__, cls, CrossHairTarget(cls, checks[0]), MANAGER_CROSSHAIR)
 
 
 _CONTRACTS = tuple(
@@ -231,22 +239,11 @@ _CONTRACTS = tuple(
 )
 
 _IDS = tuple(
-    Planted(
-        bug.name,
-        " ".join((bug.replacement.__doc__ or bug.name).split()),
-        bug,
-        frozenset({BLOCK_IDS}),
-    )
-    for bug in broken_ids.PLANTED_ID_BUGS
+    _planted(bug.name, bug.replacement, bug, BLOCK_IDS) for bug in broken_ids.PLANTED_ID_BUGS
 )
 
 _RACES = tuple(
-    Planted(
-        race.name,
-        " ".join((next(iter(race.planted.values())).__doc__ or race.name).split()),
-        race,
-        frozenset({RACES}),
-    )
+    _planted(race.name, next(iter(race.planted.values())), race, RACES)
     for race in broken_races.PLANTED_RACES
 )
 
@@ -256,21 +253,16 @@ _LAYOUTS = tuple(
 )
 
 _OFFLOADERS = (
-    Planted(
+    _planted(
         "the offloader deduplicates a touch keeping the last",
-        " ".join((broken.OffloaderTouchDeduplicatedKeepingTheLast.__doc__ or "").split()),
         broken.OffloaderTouchDeduplicatedKeepingTheLast,
-        frozenset({OFFLOADER_MACHINE}),
+        broken.OffloaderTouchDeduplicatedKeepingTheLast,
+        OFFLOADER_MACHINE,
     ),
 )
 
 _USER_POLICIES = tuple(
-    Planted(
-        bug.policy.__name__,
-        " ".join((bug.policy.__doc__ or "").split()),
-        bug,
-        frozenset({VERIFY}),
-    )
+    _planted(bug.policy.__name__, bug.policy, bug, VERIFY)
     for bug in broken_policies.USER_POLICY_BUGS
 )
 
