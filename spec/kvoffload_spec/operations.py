@@ -69,9 +69,14 @@ class Operation:
     argument: object = _NO_ARGUMENT
     misuse: str = ""
 
+    @property
+    def replaces_argument(self) -> bool:
+        """Whether ``argument`` was given: it is passed instead of the keys (or the plan)."""
+        return self.argument is not _NO_ARGUMENT
+
     def arguments(self) -> object:
         """What the call passes for its keys."""
-        if self.argument is not _NO_ARGUMENT:
+        if self.replaces_argument:
             return self.argument
         return [*self.keys, []] if self.malformed else list(self.keys)
 
@@ -80,7 +85,7 @@ class Operation:
         if self.misuse:
             return _misuse_call(self.misuse, self.name, plan_name)
         if self.name == LOOKUP:
-            argument = self.arguments() if self.argument is not _NO_ARGUMENT else self.keys[0]
+            argument = self.arguments() if self.replaces_argument else self.keys[0]
             return f"lookup({argument!r})"
         if self.name in KEYED:
             return f"{self.name}({self.arguments()!r})"
@@ -109,7 +114,7 @@ def perform(
     if op.name == TOUCH:
         return system.touch(op.arguments())  # type: ignore[arg-type, func-returns-value]
     if op.name == LOOKUP:
-        key = op.arguments() if op.argument is not _NO_ARGUMENT else op.keys[0]
+        key = op.arguments() if op.replaces_argument else op.keys[0]
         return system.lookup(key)
     if op.name == RESET:
         return system.reset_cache()  # type: ignore[func-returns-value]

@@ -269,7 +269,7 @@ def _fetch_step(world: TierWorld, op: TierOp) -> None:
         read = fetch.read if isinstance(fetch.read, Value) else None
         accepted = world.rules.accept(key, read)
         if accepted:
-            if _slot_taken_by_another(world, block_id, fetch):
+            if _taken_by_another(world, block_id, fetch):
                 raise TierViolation(
                     f"the fetch of {key!r} writes block id {block_id}, which another key now holds"
                 )
@@ -279,7 +279,7 @@ def _fetch_step(world: TierWorld, op: TierOp) -> None:
     world.fetches = tuple(fetches)
 
 
-def _slot_taken_by_another(world: TierWorld, block_id: int, fetch: Fetch) -> bool:
+def _taken_by_another(world: TierWorld, block_id: int, fetch: Fetch) -> bool:
     state = world.pool.state
     return any(
         block.block_id == block_id and block.store_plan != fetch.plan.plan_id

@@ -30,7 +30,6 @@ from typing import Any, TypeVar
 from kvoffload_spec.errors import OffloadError
 from kvoffload_spec.model import OffloadModel
 from kvoffload_spec.operations import (
-    _NO_ARGUMENT,
     ABANDON,
     COMPLETE_LOAD,
     COMPLETE_STORE,
@@ -148,7 +147,7 @@ class Lockstep:
     def apply(self, op: Operation) -> tuple[object, object]:
         """Make ``op`` on the system, then on the model; both must return equal results or
         raise errors of one class. Returns (the system's result, the model's)."""
-        stand_in = op.name in ON_PLANS and op.argument is not _NO_ARGUMENT
+        stand_in = op.name in ON_PLANS and op.replaces_argument
         if stand_in:  # the plan argument replaced: each side gets its own (see StandIn)
             mine, spec, plan_name = self._stand_ins(op)
             op = Operation(op.name, plan=op.plan, success=op.success)
