@@ -12,7 +12,9 @@ connection or an error reply makes the call's keys misses (or writes not stored)
 drops the connection (a reply that comes late must never be read as the answer to a later
 command), and marks the server down for ``retry_after_s``: until then calls return at once,
 so a dead server costs the caller one timeout per ``retry_after_s``, not one per call. The
-first call after that connects again.
+first call after that connects again. A connection found dead on its first use by a call
+(the server restarted while the store was idle) is not a failure: the call is sent once
+more on a new connection, and counted in ``retries``.
 """
 
 from __future__ import annotations
@@ -339,24 +341,37 @@ class ValkeyStore:
         return chunks
 
     def _exchange(self, chunks: Sequence[bytes | memoryview], replies: int) -> list[Any] | None:
-        """Send ``chunks``, read ``replies`` replies; ``None`` on any failure (counted)."""
+        """Send ``chunks``, read ``replies`` replies; ``None`` on any failure (counted).
+
+        A connection that served earlier calls may have died since (the server restarted,
+        an idle connection was closed): the first use finds it reset or closed. That is no
+        news about the server now, so the call is sent once more on a new connection, and
+        only what that second attempt meets counts as the call's failure. Every command sent
+        here is idempotent (``MSET`` of the same values, ``MGET``, ``EXISTS``, ``UNLINK``,
+        ``PING``), and the second attempt reads only its own connection's replies, so
+        nothing of the first can be taken for an answer. A timeout is never sent again (a
+        stalled server would cost two), nor a call on a connection opened by this very call.
+        """
         with self._io:
             self._check_open()
             if time.monotonic() < self._down_until:
                 self._count(skipped=1)
                 return None
+            connection = self._connection
+            reused = (
+                connection is not None and connection._sock is not None
+            ) and self._pid == os.getpid()
             try:
-                connection = self._connected()
-                connection.send_packed_command(chunks, check_health=False)
-                answers: list[Any] = []
-                for _ in range(replies):
-                    try:
-                        answers.append(connection.read_response(disconnect_on_error=True))
-                    except valkey.ResponseError as error:
-                        # The error reply was read whole: the stream is still in step.
-                        answers.append(error)
-                        self._fail("server_errors", error, down=False)
-                return answers
+                try:
+                    return self._send_and_read(chunks, replies)
+                except (valkey.ConnectionError, OSError) as error:
+                    if not reused or isinstance(error, (valkey.TimeoutError, TimeoutError)):
+                        raise
+                    self._drop()
+                    with self._counting:
+                        self._counts["retries"] += 1
+                        self._last_error = f"retried: {_describe(error)}"
+                    return self._send_and_read(chunks, replies)
             except valkey.TimeoutError as error:
                 self._fail("timeouts", error)
             except (valkey.ConnectionError, OSError) as error:
@@ -364,6 +379,19 @@ class ValkeyStore:
             except valkey.ValkeyError as error:
                 self._fail("server_errors", error)
             return None
+
+    def _send_and_read(self, chunks: Sequence[bytes | memoryview], replies: int) -> list[Any]:
+        connection = self._connected()
+        connection.send_packed_command(chunks, check_health=False)
+        answers: list[Any] = []
+        for _ in range(replies):
+            try:
+                answers.append(connection.read_response(disconnect_on_error=True))
+            except valkey.ResponseError as error:
+                # The error reply was read whole: the stream is still in step.
+                answers.append(error)
+                self._fail("server_errors", error, down=False)
+        return answers
 
     def _connected(self) -> _Connection:
         if self._pid != os.getpid():  # forked: the parent's socket is not ours to use
