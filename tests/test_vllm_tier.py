@@ -349,3 +349,37 @@ def test_the_namespace_describes_the_model_and_layout(vllm_config: VllmConfig) -
 def test_a_bad_url_fails_when_vllm_builds_the_tier(vllm_config: VllmConfig) -> None:
     with pytest.raises(InvalidArgumentError, match="URL"):
         Engine(vllm_config, {"url": "http://not-a-valkey-url"})
+
+
+def test_a_reset_during_a_stalled_transfer_waits_for_it_and_then_goes_on(
+    valkey_server: ValkeyServer, engines: list[Engine], vllm_config: VllmConfig
+) -> None:
+    """vLLM's reset_cache drains every tier, then asserts no job is left: the stalled
+    server's put ends by its timeout, is reported failed, and the engine goes on."""
+    engine = Engine(vllm_config, tier_options(valkey_server.url, timeout_s=0.5))
+    engines.append(engine)
+    keys, chunks = keys_for("stall", 3), chunk_values(engine, 3, seed=7)
+    valkey_server.pause()
+    try:
+        context = engine.context()
+        prepared = engine.manager.prepare_store(keys, context)
+        assert prepared is not None
+        for slot, chunk in zip(prepared.store_spec.chunk_ids, chunks, strict=True):
+            engine.write_slot(int(slot), chunk)
+        engine.manager.complete_store(keys, context, success=True)  # the cascade is sent
+        assert engine.tier.has_pending_work()
+        engine.manager.on_request_finished(context)
+        engine.manager.reset_cache()  # waits for the put: no slot reused under it
+    finally:
+        valkey_server.resume()
+    engine.manager.on_reset_flushed()
+    stats = engine.tier.stats()
+    assert stats.stores_failed == 1 and stats.transfers.timeouts == 1
+    assert not engine.tier.has_pending_work()
+    time.sleep(0.3)  # retry_after_s: the server is left alone that long after a failure
+    engine.store(keys, chunks)
+    reader = Engine(vllm_config, tier_options(valkey_server.url))
+    engines.append(reader)
+    context, answers = reader.look_up(keys)
+    assert answers == [LookupResult.HIT] * 3 and reader.load(keys, context) == chunks
+    reader.finish(context)
