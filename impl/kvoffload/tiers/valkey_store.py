@@ -337,7 +337,7 @@ class ValkeyStore:
 
         A header holds the payload's checksum, so it is made just before its payload is
         sent: while the server reads what was handed over, the next headers are made. Made
-        all first, the hashing would be time the server waits (about a tenth of a put).
+        all first, the hashing would be time the server waits (several percent of a put).
         """
         namespace = self._namespace
         prefix = len(namespace.key_prefix)
