@@ -7,7 +7,9 @@ computed on put and checked on get, the namespace. Each sample runs both sides, 
 after the other (which goes first alternates); the GB/s figures are the medians of the
 samples, the ratio is the median of the samples' own ratios: the two runs of a sample share
 the machine's state of the moment (on a shared machine a neighbour's burst hits both
-alike), so that ratio is steadier than a ratio of medians. Read the ratio column.
+alike), so that ratio is steadier than a ratio of medians. Read the ratio column. Next to
+it, the median thread CPU time of one call on each side (this process only, not the
+server's): what the store's own work costs, whatever the machine's load.
 
 Also measured: the bytes each side allocates per payload byte (tracemalloc: a put that
 copies the payload allocates >= 1 per byte; the store's puts send the caller's buffers), and
@@ -67,6 +69,8 @@ class Throughput:
     ratio: float
     target: float
     met: bool
+    store_cpu_ms: float  # median thread CPU time of one call (this process only)
+    client_cpu_ms: float
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,14 @@ def timed(work: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
+def timed_cpu(work: Callable[[], object], cpu: list[float]) -> float:
+    """Wall time of ``work``; its thread CPU time is appended to ``cpu``."""
+    started_cpu = time.thread_time()
+    wall = timed(work)
+    cpu.append(time.thread_time() - started_cpu)
+    return wall
+
+
 def throughput(
     store: ValkeyStore, client: valkey.Valkey, block_bytes: int, batch: int, samples: int
 ) -> list[Throughput]:
@@ -149,13 +161,15 @@ def throughput(
         ours(), theirs()  # connected, the keys exist
         mine: list[float] = []
         plain: list[float] = []
+        mine_cpu: list[float] = []
+        plain_cpu: list[float] = []
         for sample in range(samples):
             if sample % 2:
-                plain.append(timed(theirs))
-                mine.append(timed(ours))
+                plain.append(timed_cpu(theirs, plain_cpu))
+                mine.append(timed_cpu(ours, mine_cpu))
             else:
-                mine.append(timed(ours))
-                plain.append(timed(theirs))
+                mine.append(timed_cpu(ours, mine_cpu))
+                plain.append(timed_cpu(theirs, plain_cpu))
         store_gbps = payload / statistics.median(mine) / 1e9
         client_gbps = payload / statistics.median(plain) / 1e9
         # each sample's two runs are adjacent in time, so share the machine's state of the
@@ -172,6 +186,8 @@ def throughput(
                 round(ratio, 3),
                 TARGET,
                 ratio >= TARGET,
+                round(statistics.median(mine_cpu) * 1e3, 3),
+                round(statistics.median(plain_cpu) * 1e3, 3),
             )
         )
     return rows
@@ -301,14 +317,14 @@ def fetch_latency(url: str, block_bytes: int, samples: int) -> FetchLatency:
 def table(result: dict[str, object]) -> str:
     lines = [
         f"{'op':4} {'block':>8} {'batch':>5} {'store GB/s':>10} {'client GB/s':>11} "
-        f"{'ratio':>6} {'target':>8}"
+        f"{'ratio':>6} {'target':>8} {'CPU ms store':>12} {'client':>7}"
     ]
     for row in result["throughput"]:  # type: ignore[attr-defined]
         verdict = f"{row['target']:.0%} " + ("ok" if row["met"] else "MISS")
         lines.append(
             f"{row['operation']:4} {row['block_bytes'] // KiB:>5}KiB {row['batch']:>5} "
             f"{row['store_gbps']:10.3f} {row['client_gbps']:11.3f} {row['ratio']:6.0%} "
-            f"{verdict:>8}"
+            f"{verdict:>8} {row['store_cpu_ms']:12.2f} {row['client_cpu_ms']:7.2f}"
         )
     lines += ["", f"{'op':4} {'block':>8} {'batch':>5} {'allocated/byte store':>21} "
               f"{'client':>7} {'store copied':>13}"]  # fmt: skip

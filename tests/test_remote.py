@@ -369,3 +369,53 @@ def test_blocks_go_from_a_torch_pool_slot_and_come_back_into_another(
     ]
     assert torch.equal(kv[3], before[1]) and torch.equal(kv[:3], before[:3])
     assert store.stats().bytes_copied == pool[0].numel()
+
+
+# -- the gathered send -----------------------------------------------------------------------
+
+
+def test_a_gathered_send_survives_short_sends_byte_exact() -> None:
+    """A socket with a small send buffer takes a part of each sendmsg: the rest, cut
+    anywhere inside a buffer, goes out next, in order, nothing twice or skipped."""
+    import socket
+    import threading
+
+    sender, receiver = socket.socketpair()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender.settimeout(30)  # as the store's sockets: sendmsg returns what the buffer took
+    pieces = [memoryview(piece) for piece in blocks(40, 1, seed=11)]  # 1-byte buffers
+    pieces += [memoryview(b""), *(memoryview(piece) for piece in blocks(5, 300 * KiB, seed=12))]
+    pieces += [memoryview(piece) for piece in blocks(2000, 7, seed=13)]  # > IOV_MAX buffers
+    expected = b"".join(pieces)
+    received = bytearray()
+
+    def drain() -> None:
+        while len(received) < len(expected):
+            received.extend(receiver.recv(3000))
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    valkey_store_module._send_gathered(sender, list(pieces))
+    reader.join(timeout=30)
+    sender.close()
+    receiver.close()
+    assert bytes(received) == expected
+
+
+def test_many_small_values_and_large_ones_in_one_put_round_trip(
+    valkey_server: ValkeyServer,
+) -> None:
+    """More than IOV_MAX buffers in one MSET, small (joined) and large (sent from the
+    caller's buffer) values mixed: each key reads back its own bytes."""
+    store = store_on(valkey_server)
+    sizes = [1, 16 * KiB - 1, 16 * KiB, 300 * KiB, 0, 5] * 200
+    values = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    keys = [("mixed", i) for i in range(len(values))]
+    assert store.put(keys, values) == [True] * len(values)
+    got = store.get(keys)
+    exact = [
+        view is not None and view.tobytes() == value
+        for view, value in zip(got, values, strict=True)
+    ]
+    assert exact == [True] * len(values)
+    assert_accounted(store.stats())

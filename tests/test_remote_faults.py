@@ -259,3 +259,57 @@ def test_a_store_inherited_by_a_forked_child_connects_anew(valkey_server: Valkey
     # the parent's connection is untouched by the child's: still the first one, in step
     assert [v and v.tobytes() for v in store.get([0, 1])] == [b"parent", b"child"]
     assert store.stats().connects == 1 and store.stats().failures == 0
+
+
+def test_the_first_calls_after_a_restart_succeed_on_a_new_connection(
+    valkey_server: ValkeyServer,
+) -> None:
+    """Two stores connected before the server restarts, idle meanwhile: each one's first
+    call meets its dead connection, is sent again on a new one and succeeds."""
+    writer, reader = store_for(valkey_server.url), store_for(valkey_server.url)
+    keys, values = list(range(6)), blocks(6, 64 * KiB, seed=8)
+    assert writer.put(keys, values) == [True] * 6
+    assert exact_or_missing(reader, keys, values) == 6
+    valkey_server.restart()  # the same port, empty; no call in between
+    assert writer.put(keys, values) == [True] * 6  # the very first call after the restart
+    assert [view and view.tobytes() for view in reader.get(keys)] == values  # and this one
+    for store in (writer, reader):
+        stats = store.stats()
+        assert (stats.retries, stats.failures, stats.connects) == (1, 0, 2), stats
+        assert not stats.server_down and stats.unavailable == 0 and stats.skipped == 0
+        assert stats.last_error is not None and stats.last_error.startswith("retried: ")
+        assert_accounted(stats)
+    # A get_into, the same way: its buffer gets the bytes stored after the restart.
+    valkey_server.restart()
+    assert writer.put(keys[:1], values[:1]) == [True]
+    buffer = bytearray(64 * KiB)
+    assert reader.get_into(keys[:1], [buffer]) == [True] and bytes(buffer) == values[0]
+    assert reader.stats().retries == 2 and reader.stats().failures == 0
+
+
+def test_a_server_really_down_is_retried_once_then_backed_off(
+    valkey_server: ValkeyServer,
+) -> None:
+    """No retry storm: the dead connection is retried once, the refused reconnect is the
+    failure, and calls until retry_after_s are answered at once (no connect, no retry)."""
+    store = store_for(valkey_server.url)
+    keys, values = list(range(4)), blocks(4, 64 * KiB, seed=9)
+    assert store.put(keys, values) == [True] * 4
+    valkey_server.kill()
+    assert store.get(keys) == [None] * 4
+    for _ in range(20):
+        assert store.put(keys, values) == [False] * 4
+        assert store.get(keys) == [None] * 4
+    stats = store.stats()
+    assert (stats.retries, stats.connection_errors, stats.failures) == (1, 1, 1), stats
+    assert stats.skipped == 40 and stats.connects == 1 and stats.server_down
+    time.sleep(RETRY_S)
+    # After the back-off: a new connection (refused), not a dead one: no retry.
+    assert store.get(keys) == [None] * 4
+    later = store.stats()
+    assert (later.retries, later.connection_errors) == (1, 2), later
+    assert_accounted(later)
+    valkey_server.start()
+    wait_until_used_again(store, keys, values)
+    assert exact_or_missing(store, keys, values) == 4
+    assert store.stats().retries == 1  # reconnects after a back-off are not retries

@@ -82,6 +82,7 @@ class RemoteStats:
     server_errors: int = 0  # error replies (out of memory, loading, read-only replica...)
     skipped: int = 0  # calls answered at once because the server was marked down
     connects: int = 0  # connections established (the first, then each reconnect)
+    retries: int = 0  # calls sent again on a new connection: the one they met was dead
     bytes_sent: int = 0  # payload bytes the server acknowledged
     bytes_received: int = 0  # payload bytes of hits
     bytes_copied: int = 0  # payload bytes the store itself copied (get_into's one copy)

@@ -3,25 +3,30 @@
 One connection, one batch per round trip: ``get`` is one ``MGET``, ``put`` one ``MSET`` per
 64 MiB of values (all sent before any reply is read), ``contains`` and ``delete`` pipeline
 one ``EXISTS`` / ``UNLINK`` per key. The client library (``valkey``, which speaks to Redis
-servers too) parses the URL, connects and parses replies; the commands are packed here, so
-that a value goes out as its small header followed by the caller's own buffer: a put copies
-no payload byte.
+servers too) parses the URL, connects and parses replies; the commands are packed and sent
+here, so that a value goes out as its small header followed by the caller's own buffer (a
+put copies no payload byte), many buffers to one ``sendmsg``, each header made just before
+its payload is handed to the socket.
 
 Failures never escape (see :mod:`kvoffload.tiers.store`): a timeout, a refused or reset
 connection or an error reply makes the call's keys misses (or writes not stored), is counted,
 drops the connection (a reply that comes late must never be read as the answer to a later
 command), and marks the server down for ``retry_after_s``: until then calls return at once,
 so a dead server costs the caller one timeout per ``retry_after_s``, not one per call. The
-first call after that connects again.
+first call after that connects again. A connection found dead on its first use by a call
+(the server restarted while the store was idle) is not a failure: the call is sent once
+more on a new connection, and counted in ``retries``.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import ssl
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import valkey
@@ -31,6 +36,9 @@ from kvoffload_spec.errors import InvalidArgumentError
 
 from .store import Payload, RemoteStats, StoreClosedError, WritableBuffer
 from .values import Namespace, Rejection, as_payload, encode_key, header, payload_of
+
+# A command as the successive sends that make it (called again to send it again).
+_Sends = Callable[[], Iterable[Sequence[bytes | memoryview]]]
 
 
 class _Connection(Protocol):
@@ -52,6 +60,13 @@ class _Connection(Protocol):
 # One MSET carries at most this many value bytes: the server buffers a whole command before
 # running it (and refuses one over its client-query-buffer-limit, 1 GiB by default).
 MAX_COMMAND_BYTES = 64 * 1024 * 1024
+# Buffers one sendmsg takes (the kernel's limit, 1024 on Linux).
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+# A put hands its bytes to the socket in sends of about this many payload bytes: large enough
+# that a send is not a wake-up of the server per small value, small enough that the next
+# values are hashed while the server reads these (and that a value hashed is still in the
+# cache when the kernel copies it). 256 KiB to 4 MiB measured alike within the noise here.
+_SEND_EVERY = 1024 * 1024
 # Below this, pieces of a command are joined into one buffer (one send, not many).
 _JOIN_BELOW = 16 * 1024
 
@@ -175,10 +190,7 @@ class ValkeyStore:
         if not encoded:
             return []
         spans = _batches(payloads)
-        chunks: list[bytes | memoryview] = []
-        for start, stop in spans:
-            chunks += self._pack_mset(encoded[start:stop], payloads[start:stop])
-        replies = self._exchange(chunks, len(spans))
+        replies = self._exchange(lambda: self._mset_sends(encoded, payloads, spans), len(spans))
         stored: list[bool] = []
         sent = 0
         for (start, stop), reply in zip(spans, replies or [None] * len(spans), strict=True):
@@ -215,7 +227,7 @@ class ValkeyStore:
     def ping(self) -> bool:
         """Whether the server answers now (a failure is counted like any other)."""
         self._check_open()
-        replies = self._exchange([b"*1\r\n$4\r\nPING\r\n"], 1)
+        replies = self._exchange(_once([b"*1\r\n$4\r\nPING\r\n"]), 1)
         return replies is not None and replies[0] in (b"PONG", "PONG", True)
 
     def stats(self) -> RemoteStats:
@@ -279,8 +291,7 @@ class ValkeyStore:
         self._count(get_calls=1, keys_requested=len(encoded))
         if not encoded:
             return []
-        command = _pack(b"MGET", encoded)
-        replies = self._exchange(command, 1)
+        replies = self._exchange(_once(_pack(b"MGET", encoded)), 1)
         if replies is None:
             self._count(unavailable=len(encoded))
             return [None] * len(encoded)
@@ -315,48 +326,77 @@ class ValkeyStore:
         if not encoded:
             return []
         command = [b"".join(_pack(verb, [key])[0] for key in encoded)]
-        replies = self._exchange(command, len(encoded))
+        replies = self._exchange(_once(command), len(encoded))
         return [None] * len(encoded) if replies is None else replies
 
-    def _pack_mset(self, keys: list[bytes], payloads: list[memoryview]) -> list[bytes | memoryview]:
-        """One MSET whose values go out as header, then the caller's buffer (no copy)."""
-        chunks: list[bytes | memoryview] = []
-        pieces = [b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(keys))]
-        prefix = len(self._namespace.key_prefix)
-        for key, payload in zip(keys, payloads, strict=True):
-            head = header(self._namespace, key[prefix:], payload)
-            size = len(head) + payload.nbytes
-            if payload.nbytes < _JOIN_BELOW:
-                pieces.append(
-                    b"$%d\r\n%s\r\n$%d\r\n%s%s\r\n" % (len(key), key, size, head, payload)
-                )
-            else:
+    def _mset_sends(
+        self, keys: list[bytes], payloads: list[memoryview], spans: list[tuple[int, int]]
+    ) -> Iterator[list[bytes | memoryview]]:
+        """One ``MSET`` per span, its values going out as header, then the caller's buffer
+        (no copy), handed to the socket every ``_SEND_EVERY`` payload bytes.
+
+        A header holds the payload's checksum, so it is made just before its payload is
+        sent: while the server reads what was handed over, the next headers are made. Made
+        all first, the hashing would be time the server waits (several percent of a put).
+        """
+        namespace = self._namespace
+        prefix = len(namespace.key_prefix)
+        for start, stop in spans:
+            pieces = [b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * (stop - start))]
+            chunks: list[bytes | memoryview] = []
+            pending = 0
+            for key, payload in zip(keys[start:stop], payloads[start:stop], strict=True):
+                head = header(namespace, key[prefix:], payload)
+                size = len(head) + payload.nbytes
+                if payload.nbytes < _JOIN_BELOW:
+                    pieces.append(
+                        b"$%d\r\n%s\r\n$%d\r\n%s%s\r\n" % (len(key), key, size, head, payload)
+                    )
+                    continue
                 pieces.append(b"$%d\r\n%s\r\n$%d\r\n%s" % (len(key), key, size, head))
                 chunks.append(b"".join(pieces))
                 chunks.append(payload)
                 pieces = [b"\r\n"]
-        chunks.append(b"".join(pieces))
-        return chunks
+                pending += payload.nbytes
+                if pending >= _SEND_EVERY:
+                    yield chunks
+                    chunks, pending = [], 0
+            chunks.append(b"".join(pieces))
+            yield chunks
 
-    def _exchange(self, chunks: Sequence[bytes | memoryview], replies: int) -> list[Any] | None:
-        """Send ``chunks``, read ``replies`` replies; ``None`` on any failure (counted)."""
+    def _exchange(self, sends: _Sends, replies: int) -> list[Any] | None:
+        """Send what ``sends()`` yields, read ``replies`` replies; ``None`` on any failure
+        (counted).
+
+        A connection that served earlier calls may have died since (the server restarted,
+        an idle connection was closed): the first use finds it reset or closed. That is no
+        news about the server now, so the call is sent once more on a new connection, and
+        only what that second attempt meets counts as the call's failure. Every command sent
+        here is idempotent (``MSET`` of the same values, ``MGET``, ``EXISTS``, ``UNLINK``,
+        ``PING``), and the second attempt reads only its own connection's replies, so
+        nothing of the first can be taken for an answer. A timeout is never sent again (a
+        stalled server would cost two), nor a call on a connection opened by this very call.
+        """
         with self._io:
             self._check_open()
             if time.monotonic() < self._down_until:
                 self._count(skipped=1)
                 return None
+            connection = self._connection
+            reused = (
+                connection is not None and connection._sock is not None
+            ) and self._pid == os.getpid()
             try:
-                connection = self._connected()
-                connection.send_packed_command(chunks, check_health=False)
-                answers: list[Any] = []
-                for _ in range(replies):
-                    try:
-                        answers.append(connection.read_response(disconnect_on_error=True))
-                    except valkey.ResponseError as error:
-                        # The error reply was read whole: the stream is still in step.
-                        answers.append(error)
-                        self._fail("server_errors", error, down=False)
-                return answers
+                try:
+                    return self._send_and_read(sends, replies)
+                except (valkey.ConnectionError, OSError) as error:
+                    if not reused or isinstance(error, (valkey.TimeoutError, TimeoutError)):
+                        raise
+                    self._drop()
+                    with self._counting:
+                        self._counts["retries"] += 1
+                        self._last_error = f"retried: {_describe(error)}"
+                    return self._send_and_read(sends, replies)
             except valkey.TimeoutError as error:
                 self._fail("timeouts", error)
             except (valkey.ConnectionError, OSError) as error:
@@ -364,6 +404,20 @@ class ValkeyStore:
             except valkey.ValkeyError as error:
                 self._fail("server_errors", error)
             return None
+
+    def _send_and_read(self, sends: _Sends, replies: int) -> list[Any]:
+        connection = self._connected()
+        for chunks in sends():
+            _send(connection, chunks)
+        answers: list[Any] = []
+        for _ in range(replies):
+            try:
+                answers.append(connection.read_response(disconnect_on_error=True))
+            except valkey.ResponseError as error:
+                # The error reply was read whole: the stream is still in step.
+                answers.append(error)
+                self._fail("server_errors", error, down=False)
+        return answers
 
     def _connected(self) -> _Connection:
         if self._pid != os.getpid():  # forked: the parent's socket is not ours to use
@@ -395,8 +449,48 @@ class ValkeyStore:
             self._counts.update(deltas)
 
 
+def _send(connection: _Connection, chunks: Sequence[bytes | memoryview]) -> None:
+    """Send ``chunks`` with as few system calls as the socket allows.
+
+    The client's own send makes one ``sendall`` per chunk: a put of 128 blocks is 257 system
+    calls, and as many TCP segments (its sockets set ``TCP_NODELAY``), each one a wake-up
+    and a read for the server. One ``sendmsg`` takes up to ``IOV_MAX`` buffers, the payloads
+    still sent from the caller's memory. TLS sockets have no ``sendmsg``: they keep the
+    client's send.
+    """
+    sock = connection._sock
+    if isinstance(sock, ssl.SSLSocket) or not isinstance(sock, socket.socket):
+        connection.send_packed_command(chunks, check_health=False)
+        return
+    try:
+        _send_gathered(sock, [memoryview(chunk) for chunk in chunks])
+    except TimeoutError:  # socket.timeout: as the client reports it, the connection dropped
+        connection.disconnect()
+        raise valkey.TimeoutError("Timeout writing to socket") from None
+    except OSError as error:
+        connection.disconnect()
+        raise valkey.ConnectionError(f"Error while writing to socket: {error}") from None
+
+
+def _send_gathered(sock: socket.socket, views: list[memoryview]) -> None:
+    """``sendall`` of the concatenation of ``views``, without concatenating them."""
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first : first + _IOV_MAX])
+        # A short send stops anywhere: drop the buffers sent whole, cut the one sent in part.
+        while first < len(views) and sent >= views[first].nbytes:
+            sent -= views[first].nbytes
+            first += 1
+        if sent:
+            views[first] = views[first][sent:]
+
+
 def _describe(error: BaseException | str) -> str:
     return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+
+
+def _once(chunks: Sequence[bytes | memoryview]) -> _Sends:
+    return lambda: (chunks,)
 
 
 def _pack(verb: bytes, args: list[bytes]) -> list[bytes]:
