@@ -487,13 +487,18 @@ def test_the_benchmark_prints_the_agreed_json(
     finally:
         torch.set_num_threads(threads)
     rows = json.loads(capsys.readouterr().out)["results"]
-    fields = {"layout", "direction", "block_bytes", "batch", "ids", "gbps", "memcpy_gbps"}
+    fields = {
+        *("layout", "engine", "direction", "block_bytes", "layers", "batch", "ids"),
+        *("gbps", "cpu_gbps", "memcpy_gbps", "memcpy_cpu_gbps", "copy_gbps", "memmove_gbps"),
+    }
     assert rows and all(set(row) == fields for row in rows)
     assert {r["layout"] for r in rows} == {"cross-layer", "per-layer", "layer-views"}
     assert {(r["direction"], r["ids"]) for r in rows} == {
         (d, i) for d in ("store", "load") for i in ("random", "contiguous")
     }
     assert {r["block_bytes"] for r in rows} == {2 << 20, 64 << 10}
+    # the baseline is the faster of the two plain copies, measured in the same loop
+    assert all(r["memcpy_gbps"] == max(r["copy_gbps"], r["memmove_gbps"]) for r in rows)
     assert all(r["gbps"] > 0 and r["memcpy_gbps"] > 0 for r in rows)
 
 
