@@ -445,10 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--copier",
-        choices=("memmove", "tensor", "gather"),
+        choices=("memmove", "rows", "tensor", "gather"),
         default=None,
-        help="memmove (CPU default), copy_ per run, or the staging buffer for every job "
-        "(CUDA default: the staging buffer below 256 KiB runs, copy_ per run above)",
+        help="memmove per run, numpy rows, copy_ per run, or the staging buffer for every "
+        "job (CPU default: rows below 8 KiB runs, memmove above; CUDA default: the staging "
+        "buffer below 256 KiB runs, copy_ per run above)",
     )
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

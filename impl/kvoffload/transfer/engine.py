@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.transfer.copiers import Copier, MemmoveCopier, TensorCopier
+from kvoffload.transfer.copiers import (
+    ROWS_AT_LEAST,
+    ROWS_BELOW,
+    Copier,
+    MemmoveCopier,
+    RowCopier,
+    TensorCopier,
+    row_unit,
+)
 from kvoffload.transfer.cpu import CpuBackend
 from kvoffload.transfer.gather import GatherCopier, ThresholdCopier
 from kvoffload.transfer.jobs import Direction, FaultHook, Job, JobResult
@@ -29,7 +37,7 @@ if TYPE_CHECKING:
 
     BlockIds = Sequence[int] | IdArray | torch.Tensor
 
-CopierName = Literal["memmove", "tensor", "gather"]
+CopierName = Literal["memmove", "rows", "tensor", "gather"]
 SMALL = 256  # ids: where plain Python beats numpy (see as_block_ids)
 
 
@@ -233,13 +241,13 @@ def _backend_for(
     layout: KVLayout, pool: CpuBlockPool, threaded: bool, copier: CopierName | None
 ) -> Backend:
     kind = layout.device.type
-    if copier not in (None, "memmove", "tensor", "gather"):
+    if copier not in (None, "memmove", "rows", "tensor", "gather"):
         raise InvalidArgumentError(
-            f"copier must be 'memmove', 'tensor' or 'gather', got {copier!r}"
+            f"copier must be 'memmove', 'rows', 'tensor' or 'gather', got {copier!r}"
         )
     if kind == "cuda":
-        if copier == "memmove":
-            raise InvalidArgumentError("the memmove copier needs the KV cache in host memory")
+        if copier in ("memmove", "rows"):
+            raise InvalidArgumentError(f"the {copier} copier needs the KV cache in host memory")
         from kvoffload.transfer.cuda import CudaBackend
 
         if copier is None:  # small runs through a staging buffer, large ones copied directly
@@ -249,12 +257,21 @@ def _backend_for(
         return CudaBackend(chosen, layout.device)
     if kind != "cpu":
         raise InvalidArgumentError(f"KV caches on {kind!r} are not supported (cpu or cuda)")
-    return CpuBackend(_named_copier(copier or "memmove", layout, pool), threaded=threaded)
+    if copier is None and row_unit(layout, pool) >= ROWS_AT_LEAST:
+        # small runs as numpy rows, large ones one memmove each
+        cpu: Copier = ThresholdCopier(
+            RowCopier(layout, pool), MemmoveCopier(layout, pool), below=ROWS_BELOW
+        )
+    else:
+        cpu = _named_copier(copier or "memmove", layout, pool)
+    return CpuBackend(cpu, threaded=threaded)
 
 
 def _named_copier(name: CopierName, layout: KVLayout, pool: CpuBlockPool) -> Copier:
     if name == "tensor":
         return TensorCopier(layout, pool)
+    if name == "rows":
+        return RowCopier(layout, pool)
     if name == "gather":
         return GatherCopier(layout, pool)
     return MemmoveCopier(layout, pool)

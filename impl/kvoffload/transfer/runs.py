@@ -142,6 +142,13 @@ class BlockMapping:
         )
 
 
+def expand_runs(starts: IdArray, lengths: IdArray) -> IdArray:
+    """``concat(arange(s, s + n) for s, n in zip(starts, lengths))`` in numpy calls."""
+    ends = np.cumsum(lengths)
+    shifted = np.repeat(starts - (ends - lengths), lengths)
+    return shifted + np.arange(int(ends[-1]), dtype=np.int64)
+
+
 class _Row(NamedTuple):
     """Consecutive segments copied as one: ``nbytes`` from ``base + block * stride`` of
     ``segment``'s storage, to ``cpu_offset`` inside the (first sub-block of a) CPU block.
