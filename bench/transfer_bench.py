@@ -197,19 +197,20 @@ class Bench:
         # the layer-views layout and the baseline's region: one buffer
         self.cache = torch.empty(n, layers, size, dtype=torch.uint8, device=device).fill_(1)
         tensors = {
-            "cross-layer": [self.cache.view(n, layers * size)],
-            "layer-views": list(self.cache.unbind(1)),
+            "cross-layer": lambda: [self.cache.view(n, layers * size)],
+            "layer-views": lambda: list(self.cache.unbind(1)),
             # each layer its own allocation, as an engine that allocates per layer has them
-            "per-layer": [
+            "per-layer": lambda: [
                 torch.empty(n, size, dtype=torch.uint8, device=device).fill_(1)
                 for _ in range(layers)
             ],
         }
+        built = {name: tensors[name]() for name in case.layouts}
         self.pool = CpuBlockPool(layers * size, n, pin=device == "cuda", prefault=True)
         self.engines: dict[tuple[str, str], Any] = {}
         for impl in implementations:
             for name in case.layouts:
-                layout = impl.layout(tensors[name])
+                layout = impl.layout(built[name])
                 # the pool is shared: engines are closed by close(), the pool after them
                 self.engines[impl.name, name] = impl.engine(layout, self.pool, copier=copier)
         self.device_flat = self.cache.view(-1)
