@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # Jobs whose runs average under this go through numpy rows on the CPU (RowCopier), larger
 # ones through one memmove per run. Measured on our 2-core machines, 8 separate layers x 64
 # random blocks, whole jobs: rows ~15% less CPU time at 4 KiB, even at 8 and 16 KiB,
-# ~20% more at 32 KiB and ~1.5x at 64 KiB (the gather's temporary is copied twice).
+# ~20% more at 32 KiB and 1.2-1.5x at 64 KiB (the gather's temporary is copied twice).
 ROWS_BELOW = 8 * 1024
 # Rows narrower than this would make numpy move a run in many tiny items: such layouts
 # (odd byte sizes or offsets) keep memmove for every job.
