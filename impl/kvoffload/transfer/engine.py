@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
-from kvoffload.transfer.copiers import Copier, MemmoveCopier, TensorCopier
+from kvoffload.transfer.copiers import (
+    ROWS_AT_LEAST,
+    ROWS_BELOW,
+    Copier,
+    MemmoveCopier,
+    RowCopier,
+    TensorCopier,
+    row_unit,
+)
 from kvoffload.transfer.cpu import CpuBackend
 from kvoffload.transfer.gather import GatherCopier, ThresholdCopier
 from kvoffload.transfer.jobs import Direction, FaultHook, Job, JobResult
@@ -28,8 +37,8 @@ if TYPE_CHECKING:
 
     BlockIds = Sequence[int] | IdArray | torch.Tensor
 
-CopierName = Literal["memmove", "tensor", "gather"]
-SMALL = 32  # ids: where plain Python beats numpy's per-call cost
+CopierName = Literal["memmove", "rows", "tensor", "gather"]
+SMALL = 256  # ids: where plain Python beats numpy (see as_block_ids)
 
 
 class EngineClosedError(OffloadError):
@@ -232,13 +241,13 @@ def _backend_for(
     layout: KVLayout, pool: CpuBlockPool, threaded: bool, copier: CopierName | None
 ) -> Backend:
     kind = layout.device.type
-    if copier not in (None, "memmove", "tensor", "gather"):
+    if copier not in (None, "memmove", "rows", "tensor", "gather"):
         raise InvalidArgumentError(
-            f"copier must be 'memmove', 'tensor' or 'gather', got {copier!r}"
+            f"copier must be 'memmove', 'rows', 'tensor' or 'gather', got {copier!r}"
         )
     if kind == "cuda":
-        if copier == "memmove":
-            raise InvalidArgumentError("the memmove copier needs the KV cache in host memory")
+        if copier in ("memmove", "rows"):
+            raise InvalidArgumentError(f"the {copier} copier needs the KV cache in host memory")
         from kvoffload.transfer.cuda import CudaBackend
 
         if copier is None:  # small runs through a staging buffer, large ones copied directly
@@ -248,12 +257,21 @@ def _backend_for(
         return CudaBackend(chosen, layout.device)
     if kind != "cpu":
         raise InvalidArgumentError(f"KV caches on {kind!r} are not supported (cpu or cuda)")
-    return CpuBackend(_named_copier(copier or "memmove", layout, pool), threaded=threaded)
+    if copier is None and row_unit(layout, pool) >= ROWS_AT_LEAST:
+        # small runs as numpy rows, large ones one memmove each
+        cpu: Copier = ThresholdCopier(
+            RowCopier(layout, pool), MemmoveCopier(layout, pool), below=ROWS_BELOW
+        )
+    else:
+        cpu = _named_copier(copier or "memmove", layout, pool)
+    return CpuBackend(cpu, threaded=threaded)
 
 
 def _named_copier(name: CopierName, layout: KVLayout, pool: CpuBlockPool) -> Copier:
     if name == "tensor":
         return TensorCopier(layout, pool)
+    if name == "rows":
+        return RowCopier(layout, pool)
     if name == "gather":
         return GatherCopier(layout, pool)
     return MemmoveCopier(layout, pool)
@@ -261,6 +279,32 @@ def _named_copier(name: CopierName, layout: KVLayout, pool: CpuBlockPool) -> Cop
 
 def as_block_ids(name: str, ids: object, limit: int) -> IdArray:
     """``ids`` as int64 block ids in ``[0, limit)``, or a typed error."""
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+        array: npt.NDArray[np.integer[Any]] = ids  # the usual case: no conversion at all
+    else:
+        array = _int_array(name, ids)
+    if array.size == 0:
+        return np.empty(0, dtype=np.int64)
+    # Up to a few hundred ids, Python's min and max over ``tolist()`` cost less than numpy's
+    # reductions: a job's checks run right after the previous job's copy has flushed the
+    # caches, where each numpy function's first call costs tens of us (64 ids: ~60 us for a
+    # job's checks in Python, ~160 us in numpy, measured so). Above, one reduction checks
+    # both bounds: as unsigned, a negative int64 id is huge.
+    if array.size <= SMALL:
+        values = array.tolist()
+        in_range = min(values) >= 0 and max(values) < limit
+    elif array.dtype == np.int64:
+        in_range = int(array.view(np.uint64).max()) < limit
+    else:
+        in_range = int(array.min()) >= 0 and int(array.max()) < limit
+    if not in_range:
+        low, high = int(array.min()), int(array.max())
+        raise InvalidArgumentError(f"{name} must lie in [0, {limit}), got ids {low} to {high}")
+    return array.astype(np.int64, copy=False)
+
+
+def _int_array(name: str, ids: object) -> npt.NDArray[np.integer[Any]]:
+    """``ids`` (a list, range, array or tensor) as a flat integer array, or a typed error."""
     import torch
 
     if isinstance(ids, torch.Tensor):
@@ -273,19 +317,9 @@ def as_block_ids(name: str, ids: object, limit: int) -> IdArray:
         array = np.asarray(ids)
     except (TypeError, ValueError) as error:
         raise InvalidArgumentError(f"{name} must be a flat list of ints: {error}") from None
-    if array.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if array.ndim != 1 or array.dtype.kind not in "iu":
+    if array.size and (array.ndim != 1 or array.dtype.kind not in "iu"):
         raise InvalidArgumentError(f"{name} must be a flat list of ints, got {array.dtype}")
-    # Below a few dozen ids, Python's min and max cost less than two numpy reductions.
-    if array.size <= SMALL:
-        values = array.tolist()
-        low, high = min(values), max(values)
-    else:
-        low, high = int(array.min()), int(array.max())
-    if low < 0 or high >= limit:
-        raise InvalidArgumentError(f"{name} must lie in [0, {limit}), got ids {low} to {high}")
-    return array.astype(np.int64, copy=False)
+    return array
 
 
 def require_pairs(device: IdArray, cpu: IdArray, factor: int) -> None:

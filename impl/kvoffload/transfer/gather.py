@@ -29,7 +29,7 @@ from kvoffload.transfer.copiers import Copier
 from kvoffload.transfer.jobs import Direction, FaultHook, Job
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool
-from kvoffload.transfer.runs import CopyRuns, IdArray
+from kvoffload.transfer.runs import CopyRuns, IdArray, expand_runs
 
 if TYPE_CHECKING:
     import torch
@@ -112,8 +112,8 @@ def move_through_staging(
         mine = np.flatnonzero(storage == index)
         if not len(mine):
             continue
-        source = _expand(device_row[mine], rows[mine])
-        staged = _expand(staged_at[mine], rows[mine])
+        source = expand_runs(device_row[mine], rows[mine])
+        staged = expand_runs(staged_at[mine], rows[mine])
         at_device = torch.from_numpy(source).to(device)
         at_staging = torch.from_numpy(staged).to(device)
         if store:
@@ -135,13 +135,6 @@ def _rows_of(flat: torch.Tensor, unit: int, wide: bool) -> torch.Tensor:
 
     rows = flat[: flat.numel() // unit * unit]
     return (rows.view(torch.int64) if wide else rows).view(-1, unit // 8 if wide else unit)
-
-
-def _expand(starts: IdArray, lengths: IdArray) -> IdArray:
-    """``concat(arange(s, s + n) for s, n in zip(starts, lengths))`` in numpy calls."""
-    ends = np.cumsum(lengths)
-    shifted = np.repeat(starts - (ends - lengths), lengths)
-    return shifted + np.arange(int(ends[-1]), dtype=np.int64)
 
 
 def _spans(cpu_row: IdArray, rows: IdArray) -> list[tuple[int, int]]:

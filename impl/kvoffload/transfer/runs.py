@@ -66,6 +66,9 @@ class BlockMapping:
         # CPU block, and across CPU blocks only when a CPU block is a single row.
         self._packed = self._stride == self._nbytes
         self._runs_cross_cpu_blocks = len(rows) == 1
+        # Per-layer tensors with k = 1 (a CPU block's layers back to back): a pair never
+        # continues the previous one's run in the pool, so the search for runs is skipped.
+        self._can_merge = bool(self._packed.any()) and (self._runs_cross_cpu_blocks or factor > 1)
         self._rows = rows
 
     def runs(self, device_ids: IdArray, cpu_ids: IdArray, *, to_cpu: bool) -> CopyRuns:
@@ -100,6 +103,8 @@ class BlockMapping:
         cpu_sub = cpu_ids if k == 1 else (cpu_ids[:, None] * k + self._sub_blocks).ravel()
         order = np.argsort(cpu_sub if to_cpu else device_ids, kind="stable")
         device, sub = device_ids[order], cpu_sub[order]
+        if not self._can_merge:
+            return self._unmerged_runs(device, sub)
         follows = np.zeros(n, dtype=bool)
         follows[1:] = (device[1:] == device[:-1] + 1) & (sub[1:] == sub[:-1] + 1)
         if not self._runs_cross_cpu_blocks:
@@ -124,8 +129,10 @@ class BlockMapping:
     def _unmerged_runs(self, device: IdArray, sub: IdArray) -> CopyRuns:
         """What the general case gives when no pair continues another, in fewer calls."""
         k, n = self.factor, len(device)
-        within = self._cpu_offset[:, None] + (sub // k * self.cpu_block_bytes)
-        if k > 1:
+        if k == 1:
+            within = self._cpu_offset[:, None] + sub * self.cpu_block_bytes
+        else:
+            within = self._cpu_offset[:, None] + (sub // k * self.cpu_block_bytes)
             within += (sub % k) * self._nbytes[:, None]
         return CopyRuns(
             segment=np.repeat(self._segment, n),
@@ -133,6 +140,13 @@ class BlockMapping:
             cpu_offset=within.ravel(),
             nbytes=np.repeat(self._nbytes, n),
         )
+
+
+def expand_runs(starts: IdArray, lengths: IdArray) -> IdArray:
+    """``concat(arange(s, s + n) for s, n in zip(starts, lengths))`` in numpy calls."""
+    ends = np.cumsum(lengths)
+    shifted = np.repeat(starts - (ends - lengths), lengths)
+    return shifted + np.arange(int(ends[-1]), dtype=np.int64)
 
 
 class _Row(NamedTuple):
