@@ -41,7 +41,7 @@ from tests.planted.block_ids import (
 DEVICE_BLOCKS = SMALL + 16
 CPU_BLOCKS = SMALL + 8
 LENGTHS = (3, SMALL + 4)  # ids per call: the plain-Python check and the numpy one
-COPIERS: tuple[CopierName, ...] = ("memmove", "tensor")
+COPIERS: tuple[CopierName, ...] = ("memmove", "rows", "tensor")
 
 
 def device_cache() -> list[torch.Tensor]:
@@ -299,7 +299,10 @@ def offloader_problems() -> list[str]:
 
 
 def block_id_problems() -> list[str]:
-    return [*engine_problems("memmove"), *engine_problems("tensor"), *offloader_problems()]
+    return [
+        *(problem for copier in COPIERS for problem in engine_problems(copier)),
+        *offloader_problems(),
+    ]
 
 
 def test_every_layer_takes_its_last_block_and_refuses_one_past_it_and_repeats() -> None:
