@@ -51,12 +51,20 @@ def crosshair_all(
     jobs: Sequence[tuple[str, float]], pythonpath: Sequence[Path], say: Callable[[str], None]
 ) -> dict[str, Run]:
     """Run every (target, timeout), two at a time (the machine has two cores), saying each
-    verdict as it comes: the runs take minutes, and a silent gate looks hung."""
+    verdict as it comes: the runs take minutes, and a silent gate looks hung.
+
+    The runs with the largest budget start first: those are the canaries and planted bugs,
+    a few of which search for minutes, so that the short runs fill in beside the last of
+    them instead of one long run finishing alone on a core.
+    """
     started = time.perf_counter()
     say(f"CrossHair: {len(jobs)} targets, two at a time")
     runs: dict[str, Run] = {}
+    longest_first = sorted(jobs, key=lambda job: -job[1])
     with ThreadPoolExecutor(max_workers=2) as pool:
-        pending = [pool.submit(crosshair, target, timeout, pythonpath) for target, timeout in jobs]
+        pending = [
+            pool.submit(crosshair, target, timeout, pythonpath) for target, timeout in longest_first
+        ]
         for future in as_completed(pending):
             run = future.result()
             runs[run.target] = run

@@ -91,10 +91,11 @@ def test_the_directed_histories_find_their_share(bug: Planted) -> None:
 
 @pytest.mark.parametrize("bug", cases(TIERS, slow=True))
 def test_the_tier_explorer_finds_its_share(bug: Planted) -> None:
-    """Each bug shows within 7 steps, on a pool of one block and of two."""
+    """Each bug shows within 7 steps, on a pool of one block or else on one of two."""
     assert isinstance(bug.subject, TierRules)
-    found = [
+    # Lazily: the pool of two blocks is explored only where one block did not show the bug.
+    found = (
         explore_tiers(blocks=blocks, keys=("a", "b"), depth=7, rules=bug.subject)
         for blocks in (1, 2)
-    ]
+    )
     assert any(report.violation is not None for report in found), f"{bug.bug}: not found"
