@@ -14,6 +14,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import asdict
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from kvoffload.policies.base import EvictionPolicy, PolicyContractError
@@ -519,9 +520,9 @@ class OffloadManager:
         """Make ``candidates`` pending in the lowest free slots, in call order."""
         slots = self._take_slots(len(candidates))
         self._slot_of.set_each(candidates, slots)
-        self._storing.update(dict.fromkeys(candidates, plan_id))
-        insert = self._policy.insert
+        storing, insert = self._storing, self._policy.insert
         for key in candidates:
+            storing[key] = plan_id
             insert(key)
         return slots
 
@@ -529,10 +530,12 @@ class OffloadManager:
         """The ``count`` lowest free slots, ascending (freed ones lie below the fresh)."""
         freed = self._freed
         reused = min(count, len(freed))
+        taken = tuple(map(heapq.heappop, repeat(freed, reused)))
+        if reused == count:  # a full pool: every slot was freed by this call's evictions
+            return taken
         fresh = self._fresh
         self._fresh = fresh + count - reused
-        pop = heapq.heappop
-        return (*[pop(freed) for _ in range(reused)], *range(fresh, self._fresh))
+        return (*taken, *range(fresh, self._fresh))
 
     # -- completions and pins --------------------------------------------------------------
 

@@ -107,23 +107,23 @@ class ArcPolicy(EvictionPolicy):
             if code & _GHOST:
                 self._ghost_hit(key, code)
                 continue
-            # A ready key moves to (or within) T2; a pending one was only just inserted,
-            # which is not a second use: it stays in T1, as the most recent.
             self._clock += 1
-            new_code = self._clock << _LOW_BITS | (code & _STORED) | (code >> 1 & 1)
+            if not code & _STORED:
+                # Pending: only just inserted, which is not a second use. It stays in T1,
+                # as the most recent, and sits in no evictable order.
+                shard[key] = self._clock << _LOW_BITS
+                continue
+            # A ready key moves to (or within) T2, as the most recent.
+            new_code = self._clock << _LOW_BITS | _STORED | _SECOND
             shard[key] = new_code
             if code & _SECOND:
                 if t2.discard(key, code):
                     t2.add(key, new_code)
                 continue
-            evictable = t1.discard(key, code)
-            if new_code & _SECOND:
-                self._t1_size -= 1
-                self._t2_size += 1
-                if evictable:
-                    t2.add(key, new_code)
-            elif evictable:
-                t1.add(key, new_code)
+            self._t1_size -= 1
+            self._t2_size += 1
+            if t1.discard(key, code):
+                t2.add(key, new_code)
 
     def on_store_miss(self, keys: Sequence[Key]) -> None:
         # Before insert drops the ghost: in an engine's order a returning key is stored
