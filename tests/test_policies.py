@@ -239,11 +239,11 @@ def test_arc_reports_overlapping_lists_and_oversized_ghosts_or_target() -> None:
     fates: dict[Key, str] = {0: "T1", 1: "T2"}
     evictable = evictable_in(fates)
     overlap = arc_with(fates)
-    overlap._b1.append(0)  # a resident key that is also a ghost
+    overlap._b1.add(0, 1 << 40)  # a resident key that is also a ghost
     assert reported(overlap.check_invariants(evictable), r"ARC lists overlap: T1=.* B2=.*")
     too_many = arc_with(fates)
     for ghost in range(10, 11 + CAPACITY):
-        too_many._b2.append(ghost)
+        too_many._b2.add(ghost, ghost << 3)
     too_far = arc_with(fates)
     too_far.p = CAPACITY + 1.0
     below = arc_with(fates)

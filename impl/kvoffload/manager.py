@@ -11,9 +11,10 @@ from __future__ import annotations
 import heapq
 import time
 from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Container, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import asdict
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from kvoffload.policies.base import EvictionPolicy, PolicyContractError
@@ -63,6 +64,24 @@ _TRUSTED_POLICIES = frozenset(BUILTIN_POLICIES.values())
 
 def _zeros(length: int) -> array[int]:
     return array("q", bytes(8 * length))
+
+
+_consume: Callable[[Iterable[int]], None] = deque[int](maxlen=0).extend  # drains, in C
+
+
+def _checked_keys(keys: Sequence[Key]) -> Sequence[Key]:
+    """``check_keys(keys)``, hashing a list or tuple in one C loop: the common case pays
+    no Python step per key, and anything else (or an unhashable key) gets the full check
+    and its error.
+    """
+    if type(keys) is list or type(keys) is tuple:
+        try:
+            _consume(map(hash, keys))
+        except TypeError:
+            pass
+        else:
+            return keys
+    return check_keys(keys)
 
 
 class OffloadManager:
@@ -189,15 +208,20 @@ class OffloadManager:
 
     def lookup(self, key: Key) -> Lookup:
         """MISS, PENDING or HIT. Changes no cache state (only the lookup counters)."""
-        found = self._lookup(check_key(key))
+        try:
+            resident = key in self._slot_of
+        except TypeError:
+            check_key(key)  # raises the typed error for an unhashable key
+            raise
         tally = self._tally
-        if found is Lookup.HIT:
-            tally.lookup_hits += 1
-        elif found is Lookup.MISS:
+        if not resident:
             tally.lookup_misses += 1
-        else:
+            return Lookup.MISS
+        if key in self._storing:
             tally.lookup_pending += 1
-        return found
+            return Lookup.PENDING
+        tally.lookup_hits += 1
+        return Lookup.HIT
 
     def stats(self) -> ManagerStats:
         """Gauges and counters, as a frozen snapshot (O(n / 512) for the resident count, plus
@@ -243,7 +267,7 @@ class OffloadManager:
         """Plan to store the absent ``keys``, evicting to make room; None when they cannot
         all be placed, and then no cache state changed.
         """
-        distinct = dict.fromkeys(check_keys(keys))
+        distinct = dict.fromkeys(_checked_keys(keys))
         candidates = self._candidates(distinct)
         if candidates:
             self._policy.on_store_miss(candidates)  # an observation, even if refused
@@ -279,9 +303,10 @@ class OffloadManager:
             return
         if plan.generation != self._generation:
             return  # the ABA guard: these keys may have been stored again since the reset
-        done = [key for key in plan.keys if self._storing.get(key) == plan.plan_id]
+        storing, plan_id = self._storing, plan.plan_id
+        done = [key for key in plan.keys if storing.get(key) == plan_id]
         for key in done:
-            del self._storing[key]
+            del storing[key]
         if success:
             self._mark_stored(done)
         else:
@@ -291,8 +316,11 @@ class OffloadManager:
         """Pin ``keys`` (once per occurrence) for reading. Raises ``BlockNotFoundError`` or
         ``BlockPendingError`` if a key is not ready; then nothing changed.
         """
-        for key in check_keys(keys):
-            self._require_ready(key)
+        found = self._slot_of.get_each(_checked_keys(keys))
+        storing = self._storing
+        if None in found or any(key in storing for key in keys):
+            for key in keys:  # the first key that is not ready says why
+                self._require_ready(key)
         slots = tuple(self._pin(key) for key in keys)
         return self._open(
             LoadPlan(tuple(keys), slots, self._next_plan_id, self._generation, self._owner)
@@ -345,7 +373,7 @@ class OffloadManager:
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark ``keys`` recently used; the first key ends up the most recent."""
-        self._policy.touch(check_keys(keys), self._is_ready)
+        self._policy.touch(_checked_keys(keys), self._is_ready)
 
     def reset_cache(self) -> None:
         """Drop every block (O(n)). Open plans stay open; completing them changes nothing."""
@@ -422,7 +450,7 @@ class OffloadManager:
     # -- prepare_store, step by step -------------------------------------------------------
 
     def _candidates(self, distinct: dict[Key, None]) -> list[Key]:
-        absent = [key for key in distinct if key not in self._slot_of]
+        absent = self._slot_of.missing(distinct)
         if self._store_threshold < 2:
             return absent
         self._record_offers(distinct)
@@ -478,9 +506,10 @@ class OffloadManager:
 
     def _evict(self, victims: list[Key]) -> tuple[int, ...]:
         """Drop ``victims``; their slots, in eviction order (their bytes are still there)."""
-        slots = tuple(self._slot_of.pop(key) for key in victims)
+        slots = tuple(self._slot_of.pop_each(victims))
+        freed = self._freed
         for slot in slots:
-            heapq.heappush(self._freed, slot)
+            heapq.heappush(freed, slot)
         self._num_evictable -= len(victims)
         self._policy.evict(victims)
         self._tally.evictions += len(victims)
@@ -489,21 +518,24 @@ class OffloadManager:
 
     def _place(self, candidates: list[Key], plan_id: int) -> tuple[int, ...]:
         """Make ``candidates`` pending in the lowest free slots, in call order."""
-        slot_of, storing, insert = self._slot_of, self._storing, self._policy.insert
-        slots = []
+        slots = self._take_slots(len(candidates))
+        self._slot_of.set_each(candidates, slots)
+        storing, insert = self._storing, self._policy.insert
         for key in candidates:
-            slot = self._take_slot()
-            slots.append(slot)
-            slot_of[key] = slot
             storing[key] = plan_id
             insert(key)
-        return tuple(slots)
+        return slots
 
-    def _take_slot(self) -> int:
-        if self._freed:
-            return heapq.heappop(self._freed)
-        self._fresh += 1
-        return self._fresh - 1
+    def _take_slots(self, count: int) -> tuple[int, ...]:
+        """The ``count`` lowest free slots, ascending (freed ones lie below the fresh)."""
+        freed = self._freed
+        reused = min(count, len(freed))
+        taken = tuple(map(heapq.heappop, repeat(freed, reused)))
+        if reused == count:  # a full pool: every slot was freed by this call's evictions
+            return taken
+        fresh = self._fresh
+        self._fresh = fresh + count - reused
+        return (*taken, *range(fresh, self._fresh))
 
     # -- completions and pins --------------------------------------------------------------
 

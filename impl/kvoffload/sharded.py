@@ -82,6 +82,29 @@ class ShardedDict(Generic[K, V]):
         """Remove ``key`` and return its value; KeyError if absent."""
         return self._shards[hash(key) % self._count].pop(key)
 
+    # Whole calls' worth of keys at once: one Python step per call, not per key.
+
+    def get_each(self, keys: Iterable[K]) -> list[V | None]:
+        """``[self.get(key) for key in keys]``."""
+        shards, count = self._shards, self._count
+        return [shards[hash(key) % count].get(key) for key in keys]
+
+    def missing(self, keys: Iterable[K]) -> list[K]:
+        """The ``keys`` not in the dict, in their order."""
+        shards, count = self._shards, self._count
+        return [key for key in keys if key not in shards[hash(key) % count]]
+
+    def pop_each(self, keys: Iterable[K]) -> list[V]:
+        """``[self.pop(key) for key in keys]``: KeyError at the first absent key."""
+        shards, count = self._shards, self._count
+        return [shards[hash(key) % count].pop(key) for key in keys]
+
+    def set_each(self, keys: Iterable[K], values: Iterable[V]) -> None:
+        """``self[key] = value`` for each pair: as many keys as values."""
+        shards, count = self._shards, self._count
+        for key, value in zip(keys, values, strict=True):
+            shards[hash(key) % count][key] = value
+
     def __iter__(self) -> Iterator[K]:
         for shard in self._shards:
             yield from shard
@@ -98,8 +121,9 @@ class ShardedDict(Generic[K, V]):
             yield from shard.items()
 
     def update(self, pairs: Iterable[tuple[K, V]]) -> None:
+        shards, count = self._shards, self._count
         for key, value in pairs:
-            self[key] = value
+            shards[hash(key) % count][key] = value
 
     def clear(self) -> None:
         for shard in self._shards:

@@ -136,13 +136,12 @@ class TouchDeduplicatedKeepingTheLast(OffloadManager):
 class ArcIntegerTarget(ArcPolicy):
     """ARC adapting its target by whole blocks: the ratio of the ghost lists is floored."""
 
-    def _ghost_hit(self, key: Key) -> None:
-        if key in self._b1:
-            self.p = min(self.p + max(1, len(self._b2) // len(self._b1)), self.capacity)
-            self._b1.move_to_end(key)
-        elif key in self._b2:
-            self.p = max(self.p - max(1, len(self._b1) // len(self._b2)), 0.0)
-            self._b2.move_to_end(key)
+    def _adapt(self, in_b1: bool) -> None:
+        b1, b2 = self._b1_size, self._b2_size
+        if in_b1:
+            self.p = min(self.p + max(1, b2 // b1), self.capacity)
+        else:
+            self.p = max(self.p - max(1, b1 // b2), 0.0)
 
 
 class DuelTouchOfPendingIsReuse(DuelPolicy):

@@ -7,15 +7,18 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.recency import StampOrder, unprotected
-from kvoffload.sharded import OrderedKeys, ShardedDict
+from kvoffload.sharded import ShardedDict
 from kvoffload_spec.surface import Key
 
 if TYPE_CHECKING:
     from kvoffload_spec.policies import ArcOrder
 
 _END: Any = object()  # no candidate left in a list
-_IN_T2 = 1  # the bits of a resident key's code below its stamp
-_STORED = 2
+# The bits of a code below its stamp:
+_SECOND = 1  # in T2 (resident) or B2 (ghost): the key was used again while ready
+_STORED = 2  # resident and its store has completed (it is ready)
+_GHOST = 4  # evicted, remembered in B1 or B2
+_LOW_BITS = 3
 
 
 class ArcPolicy(EvictionPolicy):
@@ -27,88 +30,110 @@ class ArcPolicy(EvictionPolicy):
     Victims come from T1 when ``|T1| >= p``, else from T2, falling back to the other list
     when the preferred one has no candidate.
 
-    Each resident key has a code ``4 * stamp + 2 * stored + in_t2``: its recency stamp,
-    whether its store has completed (it is ready: only a touch of a ready key is a second
-    use) and its list. The evictable keys of each list are kept apart, ordered by code
-    (``StampOrder``), and the list sizes are counters, so choosing k victims walks k keys
-    (plus the protected ones) however many blocks are pinned. Ghosts are insertion-ordered
-    sets. No table is one large dict (``kvoffload.sharded``), so no call pauses to rebuild
-    one.
+    One table, ``_codes``, holds every key the policy knows, resident or ghost, with a code
+    ``8 * stamp + 4 * ghost + 2 * stored + second``: its recency stamp, whether it is a
+    ghost, whether its store has completed (only a touch of a ready key is a second use)
+    and whether it is in the second list (T2 or B2). So one lookup tells a key's list, and
+    a ghost hit, a store over a ghost or an eviction into a ghost list rewrites one entry.
+    Four ``StampOrder``s keep the order: the evictable keys of T1 and T2 (choosing k
+    victims walks k keys, plus the protected ones, however many blocks are pinned) and the
+    ghosts of B1 and B2 (trimmed from the oldest). The list sizes are counters. No table
+    is one large dict (``kvoffload.sharded``), so no call pauses to rebuild one.
     """
 
     touch_counts_reuse = True
 
-    __slots__ = ("_b1", "_b2", "_clock", "_codes", "_t1", "_t1_size", "_t2", "_t2_size", "p")
+    __slots__ = (
+        "_b1",
+        "_b1_size",
+        "_b2",
+        "_b2_size",
+        "_clock",
+        "_codes",
+        "_t1",
+        "_t1_size",
+        "_t2",
+        "_t2_size",
+        "p",
+    )
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._codes: ShardedDict[Key, int] = ShardedDict(capacity)
-        self._t1 = StampOrder(low_bits=2)  # the evictable keys of T1, by code
-        self._t2 = StampOrder(low_bits=2)  # the evictable keys of T2, by code
-        self._t1_size = 0
-        self._t2_size = 0
-        self._b1: OrderedKeys[Key] = OrderedKeys(capacity)
-        self._b2: OrderedKeys[Key] = OrderedKeys(capacity)
+        self._t1 = StampOrder(_LOW_BITS)  # the evictable keys of T1, by code
+        self._t2 = StampOrder(_LOW_BITS)  # the evictable keys of T2, by code
+        self._b1 = StampOrder(_LOW_BITS)  # the ghosts of T1, by code
+        self._b2 = StampOrder(_LOW_BITS)  # the ghosts of T2, by code
+        self._t1_size = self._t2_size = self._b1_size = self._b2_size = 0
         self.p: float = 0.0
         self._clock = 0
 
     def insert(self, key: Key) -> None:
         self._clock += 1
-        self._codes[key] = self._clock << 2
+        shard = self._codes.shard(key)  # one shard for the lookup and the write
+        ghost = shard.get(key)  # a key being inserted is not resident: any code is a ghost's
+        if ghost is not None:
+            self._unlink_ghost(key, ghost)
+        shard[key] = self._clock << _LOW_BITS
         self._t1_size += 1
-        self._b1.discard(key)
-        self._b2.discard(key)
 
     def remove(self, key: Key) -> None:
-        if self._codes.pop(key) & _IN_T2:
+        if self._codes.pop(key) & _SECOND:
             self._t2_size -= 1
         else:
             self._t1_size -= 1
 
     def mark_evictable(self, key: Key) -> None:
-        code = self._codes[key]
+        shard = self._codes.shard(key)
+        code = shard[key]
         if not code & _STORED:  # its store completed (else it was unpinned)
             code |= _STORED
-            self._codes[key] = code
-        (self._t2 if code & _IN_T2 else self._t1).add(key, code)
+            shard[key] = code
+        (self._t2 if code & _SECOND else self._t1).add(key, code)
 
     def mark_unevictable(self, key: Key) -> None:
         code = self._codes[key]
-        (self._t2 if code & _IN_T2 else self._t1).remove(key, code)
+        (self._t2 if code & _SECOND else self._t1).remove(key, code)
 
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         # ``is_ready`` is not needed: a key is ready once its store completed (_STORED).
-        codes, t1, t2 = self._codes, self._t1, self._t2
+        t1, t2 = self._t1, self._t2
+        shard_of = self._codes.shard
         for key in reversed(keys):
-            code = codes.get(key)
+            shard = shard_of(key)
+            code = shard.get(key)
             if code is None:
-                self._ghost_hit(key)
                 continue
-            # A ready key moves to (or within) T2; a pending one was only just inserted,
-            # which is not a second use: it stays in T1, as the most recent.
+            if code & _GHOST:
+                self._ghost_hit(key, code)
+                continue
             self._clock += 1
-            new_code = self._clock << 2 | (code & _STORED) | (code >> 1 & 1)
-            codes[key] = new_code
-            if code & _IN_T2:
+            if not code & _STORED:
+                # Pending: only just inserted, which is not a second use. It stays in T1,
+                # as the most recent, and sits in no evictable order.
+                shard[key] = self._clock << _LOW_BITS
+                continue
+            # A ready key moves to (or within) T2, as the most recent.
+            new_code = self._clock << _LOW_BITS | _STORED | _SECOND
+            shard[key] = new_code
+            if code & _SECOND:
                 if t2.discard(key, code):
                     t2.add(key, new_code)
                 continue
-            evictable = t1.discard(key, code)
-            if new_code & _IN_T2:
-                self._t1_size -= 1
-                self._t2_size += 1
-                if evictable:
-                    t2.add(key, new_code)
-            elif evictable:
-                t1.add(key, new_code)
+            self._t1_size -= 1
+            self._t2_size += 1
+            if t1.discard(key, code):
+                t2.add(key, new_code)
 
     def on_store_miss(self, keys: Sequence[Key]) -> None:
         # Before insert drops the ghost: in an engine's order a returning key is stored
-        # again before it is touched, so this is where ARC sees it come back.
-        b1, b2 = self._b1, self._b2
+        # again before it is touched, so this is where ARC sees it come back. The keys are
+        # absent, so any code found is a ghost's.
+        get = self._codes.get
         for key in reversed(keys):
-            if key in b1 or key in b2:
-                self._ghost_hit(key)
+            code = get(key)
+            if code is not None:
+                self._ghost_hit(key, code)
 
     def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
         t1_keys = self._candidates(self._t1, protected)
@@ -130,25 +155,43 @@ class ArcPolicy(EvictionPolicy):
         return victims
 
     def evict(self, victims: Sequence[Key]) -> None:
-        pop = self._codes.pop
+        codes, t1, t2, b1, b2 = self._codes, self._t1, self._t2, self._b1, self._b2
+        shard_of = codes.shard
+        clock = self._clock
+        into_b1: list[tuple[Key, int]] = []
+        into_b2: list[tuple[Key, int]] = []
         for key in victims:
-            code = pop(key)
-            if code & _IN_T2:
-                self._t2.remove(key, code)
-                self._t2_size -= 1
-                self._b2.append_within(key, self.capacity)
+            shard = shard_of(key)
+            code = shard[key]
+            clock += 1
+            ghost = clock << _LOW_BITS | _GHOST | (code & _SECOND)
+            shard[key] = ghost
+            if code & _SECOND:
+                t2.remove(key, code)
+                into_b2.append((key, ghost))
             else:
-                self._t1.remove(key, code)
-                self._t1_size -= 1
-                self._b1.append_within(key, self.capacity)
+                t1.remove(key, code)
+                into_b1.append((key, ghost))
+        self._clock = clock
+        b1.extend(into_b1)  # the newest ghosts, in eviction order
+        b2.extend(into_b2)
+        self._t1_size -= len(into_b1)
+        self._b1_size += len(into_b1)
+        self._t2_size -= len(into_b2)
+        self._b2_size += len(into_b2)
+        # The ghost lists keep only the last ``capacity`` keys evicted from each list.
+        while self._b1_size > self.capacity:
+            self._b1_size -= 1
+            codes.pop(b1.pop_oldest())
+        while self._b2_size > self.capacity:
+            self._b2_size -= 1
+            codes.pop(b2.pop_oldest())
 
     def clear(self) -> None:
-        for run in (self._t1, self._t2):
-            run.clear()
+        for order in (self._t1, self._t2, self._b1, self._b2):
+            order.clear()
         self._codes.clear()
-        self._b1.clear()
-        self._b2.clear()
-        self._t1_size = self._t2_size = 0
+        self._t1_size = self._t2_size = self._b1_size = self._b2_size = 0
         self.p = 0.0
 
     def resident(self) -> list[Key]:
@@ -156,26 +199,41 @@ class ArcPolicy(EvictionPolicy):
         return t1 + t2
 
     def lists(self) -> tuple[list[Key], list[Key], list[Key], list[Key]]:
-        """T1, T2, B1 and B2, each least recent first (O(n log n): for checks and tests)."""
-        by_code = sorted(self._codes, key=self._codes.__getitem__)
+        """T1, T2, B1 and B2, each least recent first (O(n log n): for checks and tests).
+        T1 and T2 are read from the table, B1 and B2 from their orders.
+        """
+        codes = self._codes
+        by_code = sorted(codes, key=codes.__getitem__)
+        resident = [key for key in by_code if not codes[key] & _GHOST]
         return (
-            [key for key in by_code if not self._codes[key] & _IN_T2],
-            [key for key in by_code if self._codes[key] & _IN_T2],
+            [key for key in resident if not codes[key] & _SECOND],
+            [key for key in resident if codes[key] & _SECOND],
             list(self._b1),
             list(self._b2),
         )
 
     def check_invariants(self, is_evictable: Callable[[Key], bool]) -> list[str]:
-        problems = self._t1.problems(self._codes.get) + self._t2.problems(self._codes.get)
+        stamp_of = self._codes.get
+        problems: list[str] = []
+        for order in (self._t1, self._t2, self._b1, self._b2):
+            problems += order.problems(stamp_of)
         t1, t2, b1, b2 = self.lists()
         if (len(t1), len(t2)) != (self._t1_size, self._t2_size):
             problems.append(f"ARC sizes {self._t1_size}, {self._t2_size} but T1={t1}, T2={t2}")
+        if (len(b1), len(b2)) != (self._b1_size, self._b2_size):
+            problems.append(
+                f"ARC ghost sizes {self._b1_size}, {self._b2_size} but B1={b1}, B2={b2}"
+            )
         for resident, run, name in ((t1, self._t1, "T1"), (t2, self._t2, "T2")):
             listed = list(run)
             evictable = [key for key in resident if is_evictable(key)]
             if listed != evictable:
                 problems.append(f"ARC's evictable {name} is {listed}, the manager's {evictable}")
-        if len(set(self._codes.values())) != len(self._codes):
+        codes = self._codes
+        ghosts = [key for key in codes if codes[key] & _GHOST]
+        if set(ghosts) != {*b1, *b2}:
+            problems.append(f"ARC's table holds ghosts {ghosts}, its ghost lists {b1 + b2}")
+        if len(set(codes.values())) != len(codes):
             problems.append("ARC stamps repeat")
         everything = t1 + t2 + b1 + b2
         if len(set(everything)) != len(everything):
@@ -197,13 +255,36 @@ class ArcPolicy(EvictionPolicy):
         prefer_t1 = t1_size >= int(self.p)
         return t1_has if prefer_t1 else not t2_has
 
-    def _ghost_hit(self, key: Key) -> None:
-        if key in self._b1:
-            self.p = min(self.p + max(1.0, len(self._b2) / len(self._b1)), self.capacity)
-            self._b1.move_to_end(key)
-        elif key in self._b2:
-            self.p = max(self.p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
-            self._b2.move_to_end(key)
+    def _ghost_hit(self, key: Key, code: int) -> None:
+        """``key``, a ghost with ``code``, came back: adapt ``p``, and make it the most
+        recent ghost of its list.
+        """
+        self._adapt(in_b1=not code & _SECOND)
+        order = self._b2 if code & _SECOND else self._b1
+        order.remove(key, code)
+        self._clock += 1
+        code = self._clock << _LOW_BITS | (code & (_GHOST | _SECOND))
+        order.add(key, code)
+        self._codes[key] = code
+
+    def _adapt(self, in_b1: bool) -> None:
+        """Move the target ``p`` after a ghost hit in B1 (towards T1) or B2 (towards T2),
+        by the ratio of the ghost lists' sizes, at least 1.
+        """
+        b1, b2 = self._b1_size, self._b2_size
+        if in_b1:
+            self.p = min(self.p + max(1.0, b2 / b1), self.capacity)
+        else:
+            self.p = max(self.p - max(1.0, b1 / b2), 0.0)
+
+    def _unlink_ghost(self, key: Key, code: int) -> None:
+        """Take the ghost ``key`` out of its ghost list (its table entry is the caller's)."""
+        if code & _SECOND:
+            self._b2.remove(key, code)
+            self._b2_size -= 1
+        else:
+            self._b1.remove(key, code)
+            self._b1_size -= 1
 
     def abstract_order(self) -> ArcOrder:
         from kvoffload_spec.policies import ArcOrder

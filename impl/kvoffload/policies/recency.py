@@ -61,19 +61,38 @@ class StampOrder:
         """Add ``key`` (absent) under ``stamp`` (no other key's)."""
         at = stamp >> self._bits
         bucket = self._buckets.get(at)
-        if bucket is None:
-            self._buckets[at] = {key: stamp}
-            ids = self._ids
-            if not ids or ids[-1] < at:
-                ids.append(at)
-            else:
-                insort(ids, at)
-        else:
-            if stamp < self._newest and stamp < next(reversed(bucket.values())):
+        if stamp > self._newest:  # the common case: the newest key so far
+            self._newest = stamp
+            if bucket is not None:
+                bucket[key] = stamp
+                return
+        elif bucket is not None:
+            if stamp < next(reversed(bucket.values())):
                 self._unsorted.add(at)
             bucket[key] = stamp
-        if stamp > self._newest:
-            self._newest = stamp
+            return
+        self._buckets[at] = {key: stamp}
+        ids = self._ids
+        if not ids or ids[-1] < at:
+            ids.append(at)
+        else:
+            insort(ids, at)
+
+    def extend(self, pairs: Iterable[tuple[Key, int]]) -> None:
+        """``add`` each ``(key, stamp)`` of ``pairs``, whose stamps ascend and exceed every
+        stamp here (ARC's new ghosts): one Python step per key, not a call.
+        """
+        buckets, ids, bits = self._buckets, self._ids, self._bits
+        at, bucket, stamp = -1, {}, self._newest
+        for key, stamp in pairs:
+            if stamp >> bits != at:
+                at = stamp >> bits
+                if at not in buckets:
+                    buckets[at] = {}
+                    ids.append(at)
+                bucket = buckets[at]
+            bucket[key] = stamp
+        self._newest = stamp
 
     def discard(self, key: Key, stamp: int) -> bool:
         """Remove ``key``, held under ``stamp``, if it is here; whether it was."""
@@ -97,9 +116,15 @@ class StampOrder:
         """Whether ``key``, whose stamp is ``stamp``, is here."""
         return key in self._buckets.get(stamp >> self._bits, ())
 
-    def oldest(self) -> Key:
-        """The key with the least stamp; IndexError when empty."""
-        return next(iter(self._bucket(self._ids[0])))
+    def pop_oldest(self) -> Key:
+        """Remove and return the key with the least stamp; IndexError when empty."""
+        at = self._ids[0]
+        bucket = self._bucket(at)
+        oldest = next(iter(bucket))
+        del bucket[oldest]
+        if not bucket:
+            self._drop(at)
+        return oldest
 
     def __iter__(self) -> Iterator[Key]:
         """Oldest first. Nothing may be added or removed while the iteration runs."""
