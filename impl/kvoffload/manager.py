@@ -48,6 +48,7 @@ from kvoffload_spec.validation import (
     check_abandonable,
     check_count,
     check_flag,
+    check_issued_plan,
     check_key,
     check_keys,
     check_open_plan,
@@ -342,6 +343,21 @@ class OffloadManager:
                 self._policy.remove(key)
             self._abandoned[plan.plan_id] = tuple(slots)
             self._emit(dropped, RemovalReason.STORE_FAILED)
+
+    def is_abandoned(self, plan: StorePlan | LoadPlan) -> bool:
+        """Whether ``plan`` was abandoned and its (late) completion has not come yet: True
+        from ``abandon(plan)`` until ``complete_*(plan)``, across resets; False otherwise,
+        a completed plan included. O(1); changes nothing. Raises ``ForeignPlanError`` for
+        anything but a plan this manager issued (an open one must be the very plan issued).
+        """
+        # The very plan object this manager holds open needs no check (as in ``_close``).
+        if not (
+            isinstance(plan, (StorePlan, LoadPlan)) and self._open_plans.get(plan.plan_id) is plan
+        ):
+            check_issued_plan(
+                plan, owner=self._owner, open_plans=self._open_plans, issued=self._next_plan_id
+            )
+        return plan.plan_id in self._abandoned
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark ``keys`` recently used; the first key ends up the most recent."""

@@ -29,6 +29,7 @@ from kvoffload_spec.validation import (
     check_abandonable,
     check_count,
     check_flag,
+    check_issued_plan,
     check_key,
     check_keys,
     check_open_plan,
@@ -130,6 +131,19 @@ class OffloadModel:
             abandoned=state.abandoned,
         )
         state.abandon(checked)
+
+    def is_abandoned(self, plan: StorePlan | LoadPlan) -> bool:
+        """Whether ``plan`` was abandoned and not completed since (see
+        ``SpecState.is_abandoned``): True from ``abandon(plan)`` until ``complete_*(plan)``,
+        across resets; False otherwise, a completed plan included. Changes nothing. Raises
+        ``ForeignPlanError`` for anything but a plan this model issued (an open one must be
+        the very plan issued).
+        """
+        state = self.state
+        checked = check_issued_plan(
+            plan, owner=state.owner, open_plans=state.open_plans, issued=state.next_plan_id
+        )
+        return state.is_abandoned(checked)
 
     def touch(self, keys: Sequence[Key]) -> None:
         self.state.touch(check_keys(keys))

@@ -123,6 +123,20 @@ class SpecState:
             return Lookup.MISS
         return Lookup.HIT if block.ready else Lookup.PENDING
 
+    def is_abandoned(self, plan: StorePlan | LoadPlan) -> bool:
+        """Whether ``plan`` was abandoned and its (late) completion has not come yet.
+
+        Pre: ``plan`` was issued by this state (open, or completed already).
+        True from ``abandon(plan)`` until ``complete_*(plan)``, whatever resets came
+        between (a reset makes the plan stale, not less abandoned: its job is still due to
+        report, and a store's quarantine lasts until it does); False before ``abandon``,
+        for a plan never abandoned, and once the plan is completed (closed, it holds
+        nothing). Only an open plan can be abandoned (invariant 10), so a closed plan's id
+        is never in ``abandoned``.
+        """
+        assert 0 <= plan.plan_id < self.next_plan_id
+        return plan.plan_id in self.abandoned
+
     def quarantined(self) -> list[int]:
         """The block ids abandoned store jobs may still write: neither free nor resident."""
         return [block_id for block_ids in self.abandoned.values() for block_id in block_ids]
