@@ -13,7 +13,8 @@ expanded once. After every call it checks, by families (see :data:`CHECKS`):
     the system's own ``check_invariants()``.
 ``model``
     what the plans handed out so far predict, whatever the eviction policy: each key's
-    lookup, the free, evictable and quarantined counts; a refused ``prepare_store`` only
+    lookup, the free, evictable and quarantined counts, whether each plan held is
+    abandoned (``is_abandoned``); a refused ``prepare_store`` only
     when the candidates cannot fit in the free blocks plus the blocks that are ready,
     unpinned and outside the call; a store plan's candidates in call order, its victims
     evictable and not in the call, its block ids the lowest free ones; a load of a key that is
@@ -539,6 +540,13 @@ class _Checker(Generic[S]):
                 raise Violation(
                     f"free/evictable/quarantined blocks are {counts}, the plans say {predicted}"
                 )
+            for number, held in enumerate(node.held):
+                answer = system.is_abandoned(held.plan)
+                if answer is not held.abandoned:
+                    raise Violation(
+                        f"is_abandoned(held plan {number}) is {answer!r}, "
+                        f"the plans say {held.abandoned}"
+                    )
         events = system.take_events()
         if "events" in self.checks and events != events_due:
             raise Violation(f"events {events} where {events_due} were due")
