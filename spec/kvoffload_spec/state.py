@@ -5,7 +5,9 @@ so that a checker (CrossHair) can build arbitrary states; :func:`invariant_viola
 which of them are reachable-shaped. Each transition opens with ``assert`` preconditions (what
 the caller, :class:`~kvoffload_spec.model.OffloadModel`, has validated) and closes with
 ``assert`` postconditions. Those asserts are the contract, not input validation: the public
-model raises typed errors before it ever calls a transition.
+model raises typed errors before it ever calls a transition. What a postcondition compares
+with (a snapshot taken before the change) is taken only ``if __debug__``: under
+``python -O`` the asserts are gone, and so is their cost.
 
 Block states::
 
@@ -303,7 +305,7 @@ class SpecState:
         """
         assert all(self.lookup(key) is Lookup.HIT for key in keys)
         assert not invariant_violations(self)
-        newly_pinned = sum(1 for key in set(keys) if self.blocks[key].refs == 0)
+        newly_pinned = sum(1 for k in set(keys) if self.blocks[k].refs == 0) if __debug__ else 0
         evictable_before = self.num_evictable
         for key in keys:
             block = self.blocks[key]
@@ -345,7 +347,7 @@ class SpecState:
             block.refs -= 1
             if block.refs == 0:
                 self.num_evictable += 1
-        released = sum(1 for key in set(plan.keys) if self.blocks[key].refs == 0)
+        released = sum(1 for k in set(plan.keys) if self.blocks[k].refs == 0) if __debug__ else 0
         assert self.num_evictable == evictable_before + released
 
     def abandon(self, plan: StorePlan | LoadPlan) -> None:
@@ -361,7 +363,7 @@ class SpecState:
         assert self.open_plans.get(plan.plan_id) == plan
         assert plan.plan_id not in self.abandoned
         assert not invariant_violations(self)
-        free_before = list(self.free_block_ids)
+        free_before = list(self.free_block_ids) if __debug__ else []
         quarantine: list[int] = []
         dropped: list[Key] = []
         if plan.generation == self.generation and isinstance(plan, LoadPlan):
@@ -384,7 +386,7 @@ class SpecState:
         target) changed.
         """
         assert not invariant_violations(self)
-        before = repr(self.blocks)
+        before = repr(self.blocks) if __debug__ else ""
         self.order.touch(keys, lambda key: self.blocks[key].ready)
         assert repr(self.blocks) == before
 
