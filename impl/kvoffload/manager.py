@@ -389,16 +389,19 @@ class OffloadManager:
         self._events.clear()
         return taken
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, abstraction: SpecState | None = None) -> None:
         """Raise ``SpecViolation`` if any invariant of the design fails (O(n log n)): the
         tables must be well formed, and the spec state they stand for
         (:meth:`abstract_state`) must satisfy every invariant of the spec.
+        ``abstraction``: that state, when the caller built it already (the explorer does,
+        for its fingerprint), so that it is built once.
         """
         from kvoffload_spec.state import invariant_violations
 
         problems = self._representation_violations()
         try:
-            problems += invariant_violations(self.abstract_state())
+            state = self.abstract_state() if abstraction is None else abstraction
+            problems += invariant_violations(state)
         except Exception as error:  # malformed tables may not even map to a state
             problems.append(f"the tables stand for no spec state: {error!r}")
         if problems:

@@ -160,8 +160,10 @@ class OffloadModel:
         events.clear()
         return taken
 
-    def check_invariants(self) -> None:
-        problems = invariant_violations(self.state)
+    def check_invariants(self, abstraction: SpecState | None = None) -> None:
+        """Raise ``SpecViolation`` if the state breaks an invariant; ``abstraction`` (what
+        :meth:`abstract_state` returned: the state itself) is taken as the manager's is."""
+        problems = invariant_violations(self.state if abstraction is None else abstraction)
         if problems:
             raise SpecViolation("; ".join(problems))
 
