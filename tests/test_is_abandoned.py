@@ -27,7 +27,7 @@ from kvoffload_spec.operations import (
     RESET,
     Operation,
 )
-from kvoffload_spec.surface import LoadPlan, ManagerOperations, Plan, StorePlan
+from kvoffload_spec.surface import LoadPlan, ManagerOperations, StorePlan
 
 POLICIES = ["lru", "arc", "duel"]
 
@@ -200,7 +200,7 @@ def test_every_manager_and_the_model_offer_the_query() -> None:
     manager, model = OffloadManager(2), OffloadModel(2)
     for system in (manager, model):
         assert isinstance(system, ManagerOperations)
-        plan: Plan | None = system.prepare_store(["a"])
+        plan = system.prepare_store(["a"])
         assert plan is not None and not system.is_abandoned(plan)
         system.abandon(plan)
         assert system.is_abandoned(plan) and system.is_abandoned(plan)  # it changes nothing

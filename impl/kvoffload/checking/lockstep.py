@@ -241,11 +241,11 @@ class Lockstep:
             self.same(view, getattr(self.system, view), getattr(self.model, view))
         for key in self.watched:
             self.same(f"lookup({key!r})", self.system.lookup(key), self.model.lookup(key))
-        for mine, spec in self.held:
+        for open_plan, twin in self.held:
             self.same(
-                f"is_abandoned({self.name(mine)})",
-                self.system.is_abandoned(mine),
-                self.model.is_abandoned(spec),
+                f"is_abandoned({self.name(open_plan)})",
+                self.system.is_abandoned(open_plan),
+                self.model.is_abandoned(twin),
             )
         self.same("take_events()", self.system.take_events(), self.model.take_events())
         self._agree_on_stats()
