@@ -10,12 +10,15 @@ whose ledger is wrong.
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable
 
 import pytest
 
+from kvoffload import Offloader
 from kvoffload.checking.lockstep import Divergence, Lockstep, StandIn
 from kvoffload.manager import OffloadManager
-from kvoffload_spec import ForeignPlanError, OffloadModel
+from kvoffload_spec import ForeignPlanError, OffloadModel, PlanAlreadyAbandonedError
 from kvoffload_spec.explore import explore
 from kvoffload_spec.operations import (
     ABANDON,
@@ -28,6 +31,7 @@ from kvoffload_spec.operations import (
     Operation,
 )
 from kvoffload_spec.surface import LoadPlan, ManagerOperations, StorePlan
+from tests.caches import make_cache
 
 POLICIES = ["lru", "arc", "duel"]
 
@@ -206,3 +210,38 @@ def test_every_manager_and_the_model_offer_the_query() -> None:
         assert system.is_abandoned(plan) and system.is_abandoned(plan)  # it changes nothing
         system.complete_store(plan, success=True)
         assert not system.is_abandoned(plan)
+
+
+# -- the Offloader reads this one ledger ---------------------------------------------------
+
+
+@pytest.mark.parametrize("manager", [OffloadManager, OffloadModel], ids=["manager", "model"])
+def test_the_offloader_keeps_no_ledger_of_its_own(
+    manager: Callable[[int], ManagerOperations],
+) -> None:
+    """A plan abandoned on the offloader's manager directly is abandoned for the offloader
+    too: no stall candidate, nothing to wait for, reported abandoned when its job ends."""
+    tensors, block_dim = make_cache("kv_split", num_blocks=8)
+    offloader = Offloader(tensors, block_dim=block_dim, manager=manager(4), threaded=True)
+    gate = threading.Event()
+
+    def stall(job: int, run: int) -> None:
+        gate.wait(10)
+
+    offloader.engine.fault_hook = stall
+    try:
+        plan = offloader.store(["a"], [0])
+        assert plan is not None and offloader.stalled(older_than=1e-9) == [plan]
+        assert not offloader.wait(timeout=0.01)  # its job is stalled
+        offloader.manager.abandon(plan)
+        assert offloader.stalled(older_than=1e-9) == []
+        assert offloader.wait(timeout=0.01)  # nothing left to wait for
+        with pytest.raises(PlanAlreadyAbandonedError):
+            offloader.abandon(plan)
+    finally:
+        gate.set()
+    assert offloader.wait([plan], timeout=10)
+    (late,) = offloader.poll()
+    assert late.plan == plan and late.abandoned and not late.ok
+    assert not offloader.manager.is_abandoned(plan) and offloader.num_in_flight == 0
+    offloader.close()
