@@ -371,10 +371,9 @@ class Offloader:
                     and not self.manager.is_abandoned(plan)
                 ]
                 copies = [
-                    (submitted, plan)
+                    (submitted, self._plans[job])
                     for job, submitted in self._submitted_at.items()
-                    if submitted <= cutoff
-                    and not self.manager.is_abandoned(plan := self._plans[job])
+                    if submitted <= cutoff and not self.manager.is_abandoned(self._plans[job])
                 ]
                 return [plan for _, plan in sorted(copies + fetches, key=lambda pair: pair[0])]
             # The manager's open plans by age, its abandoned ones left out; of those, the
@@ -652,7 +651,7 @@ class Offloader:
     @property
     def _abandoned(self) -> frozenset[int]:
         """The copy jobs in flight whose plans the manager has abandoned: a view of its
-        ledger, not a second one."""
+        ledger, not a second one (what a test's snapshot of the offloader compares)."""
         abandoned = self.manager.is_abandoned
         return frozenset(job for job, plan in self._plans.items() if abandoned(plan))
 
