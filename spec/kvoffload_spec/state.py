@@ -305,7 +305,9 @@ class SpecState:
         """
         assert all(self.lookup(key) is Lookup.HIT for key in keys)
         assert not invariant_violations(self)
-        newly_pinned = sum(1 for k in set(keys) if self.blocks[k].refs == 0) if __debug__ else 0
+        newly_pinned = 0
+        if __debug__:
+            newly_pinned = sum(1 for key in set(keys) if self.blocks[key].refs == 0)
         evictable_before = self.num_evictable
         for key in keys:
             block = self.blocks[key]
@@ -347,7 +349,9 @@ class SpecState:
             block.refs -= 1
             if block.refs == 0:
                 self.num_evictable += 1
-        released = sum(1 for k in set(plan.keys) if self.blocks[k].refs == 0) if __debug__ else 0
+        released = 0
+        if __debug__:
+            released = sum(1 for key in set(plan.keys) if self.blocks[key].refs == 0)
         assert self.num_evictable == evictable_before + released
 
     def abandon(self, plan: StorePlan | LoadPlan) -> None:
