@@ -43,6 +43,7 @@ def assert_accounted(stats: RemoteStats) -> None:
 BLOCK_BYTES = 4096
 DEVICE_BLOCKS = 4  # 0-2 take stores, 3 is the scratch block loads land in
 SCRATCH = DEVICE_BLOCKS - 1
+POISON = 0xA5  # what every CPU block holds before a copy writes it
 
 
 def content(key: int) -> bytes:
@@ -75,6 +76,10 @@ class Engine:
             remote=store,
             **options,  # type: ignore[arg-type]
         )
+        # The pool is uninitialized memory, which may hold an earlier test's blocks (the same
+        # keys' bytes, freed and reallocated): poisoned, a block no copy wrote is never a
+        # key's own bytes, so a bug that makes one readable always shows.
+        self.offloader.engine.pool.tensor.fill_(POISON)
 
     def store(self, key: int) -> StorePlan | None:
         """Compute ``key``'s block on the device, offload it, wait for it."""

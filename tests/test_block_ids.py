@@ -217,6 +217,9 @@ class Misplanning:
     def abandon(self, plan: Plan) -> None:
         self.inner.abandon(self._real.get(plan.plan_id, plan))
 
+    def is_abandoned(self, plan: Plan) -> bool:
+        return self.inner.is_abandoned(self._real.get(plan.plan_id, plan))
+
     def touch(self, keys: Sequence[Key]) -> None:
         self.inner.touch(keys)
 

@@ -145,6 +145,9 @@ class Delegate:
     def abandon(self, plan: StorePlan | LoadPlan) -> None:
         self.inner.abandon(plan)
 
+    def is_abandoned(self, plan: StorePlan | LoadPlan) -> bool:
+        return self.inner.is_abandoned(plan)
+
     def touch(self, keys: Sequence[Key]) -> None:
         self.inner.touch(keys)
 

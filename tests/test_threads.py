@@ -108,6 +108,10 @@ class Recorder:
     def abandon(self, plan: Plan) -> None:
         self._call("abandon", plan)
 
+    def is_abandoned(self, plan: Plan) -> bool:
+        # A query that changes nothing: not logged (the log replays the changes).
+        return self.inner.is_abandoned(plan)
+
     def touch(self, keys: Sequence[Key]) -> None:
         self._call("touch", keys)
 

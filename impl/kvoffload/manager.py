@@ -49,6 +49,7 @@ from kvoffload_spec.validation import (
     check_abandonable,
     check_count,
     check_flag,
+    check_issued_plan,
     check_key,
     check_keys,
     check_open_plan,
@@ -371,6 +372,21 @@ class OffloadManager:
             self._abandoned[plan.plan_id] = tuple(slots)
             self._emit(dropped, RemovalReason.STORE_FAILED)
 
+    def is_abandoned(self, plan: StorePlan | LoadPlan) -> bool:
+        """Whether ``plan`` was abandoned and its (late) completion has not come yet: True
+        from ``abandon(plan)`` until ``complete_*(plan)``, across resets; False otherwise,
+        a completed plan included. O(1); changes nothing. Raises ``ForeignPlanError`` for
+        anything but a plan this manager issued (an open one must be the very plan issued).
+        """
+        # The very plan object this manager holds open needs no check (as in ``_close``).
+        if not (
+            isinstance(plan, (StorePlan, LoadPlan)) and self._open_plans.get(plan.plan_id) is plan
+        ):
+            check_issued_plan(
+                plan, owner=self._owner, open_plans=self._open_plans, issued=self._next_plan_id
+            )
+        return plan.plan_id in self._abandoned
+
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark ``keys`` recently used; the first key ends up the most recent."""
         self._policy.touch(_checked_keys(keys), self._is_ready)
@@ -401,16 +417,19 @@ class OffloadManager:
         self._events.clear()
         return taken
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, abstraction: SpecState | None = None) -> None:
         """Raise ``SpecViolation`` if any invariant of the design fails (O(n log n)): the
         tables must be well formed, and the spec state they stand for
         (:meth:`abstract_state`) must satisfy every invariant of the spec.
+        ``abstraction``: that state, when the caller built it already (the explorer does,
+        for its fingerprint), so that it is built once.
         """
         from kvoffload_spec.state import invariant_violations
 
         problems = self._representation_violations()
         try:
-            problems += invariant_violations(self.abstract_state())
+            state = self.abstract_state() if abstraction is None else abstraction
+            problems += invariant_violations(state)
         except Exception as error:  # malformed tables may not even map to a state
             problems.append(f"the tables stand for no spec state: {error!r}")
         if problems:

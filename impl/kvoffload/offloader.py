@@ -198,7 +198,7 @@ class Offloader:
         # The job handles, which only the offloader knows (docs/data_path.md, "One ledger"):
         self._plans: dict[int, Plan] = {}  # job id -> its plan, in flight
         self._job_of: dict[int, int] = {}  # plan id -> job id, in flight
-        self._abandoned: set[int] = set()  # job ids in flight whose plans were abandoned
+        # Which of them were abandoned is the manager's ledger alone (``is_abandoned``).
         # Plan ages: the manager's own ledger where it keeps one; else, and only then, the
         # offloader's: job id -> time.monotonic() at submission, in flight.
         self._ages: PlanAges | None = manager if isinstance(manager, PlanAges) else None
@@ -209,7 +209,6 @@ class Offloader:
         self._fetch_of: dict[int, RemoteJob] = {}  # fetch plan id -> its job, in flight
         self._fetch_plans: dict[int, list[StorePlan]] = {}  # remote job id -> its plans
         self._fetch_started: dict[int, float] = {}  # fetch plan id -> time.monotonic()
-        self._fetch_abandoned: set[int] = set()  # fetch plan ids abandoned, in flight
         self._puts: dict[int, RemoteJob] = {}  # remote job id -> write job, in flight
         self._remote_counts: Counter[str] = Counter()
         if remote is not None:
@@ -302,8 +301,7 @@ class Offloader:
             plan = self._plans.pop(job)
             del self._job_of[plan.plan_id]
             self._submitted_at.pop(job, None)
-            abandoned = job in self._abandoned
-            self._abandoned.discard(job)
+            abandoned = self.manager.is_abandoned(plan)  # asked before the completion ends it
             if isinstance(plan, StorePlan):
                 self.manager.complete_store(plan, success=result.ok)
                 if result.ok and not abandoned and self._remote_mode == "write-through":
@@ -370,22 +368,21 @@ class Offloader:
                     for job in self._fetch_plans.values()
                     for plan in job
                     if (started := self._fetch_started[plan.plan_id]) <= cutoff
-                    and plan.plan_id not in self._fetch_abandoned
+                    and not self.manager.is_abandoned(plan)
                 ]
                 copies = [
                     (submitted, self._plans[job])
                     for job, submitted in self._submitted_at.items()
-                    if submitted <= cutoff and job not in self._abandoned
+                    if submitted <= cutoff and not self.manager.is_abandoned(self._plans[job])
                 ]
                 return [plan for _, plan in sorted(copies + fetches, key=lambda pair: pair[0])]
             # The manager's open plans by age, its abandoned ones left out; of those, the
             # ones in flight here (a plan made on the manager directly has no job here).
-            in_flight = self._job_of
             return [
                 plan
                 for plan in self._ages.stalled_plans(age)
-                if ((job := in_flight.get(plan.plan_id)) is not None and job not in self._abandoned)
-                or (plan.plan_id in self._fetch_of and plan.plan_id not in self._fetch_abandoned)
+                if (plan.plan_id in self._job_of or plan.plan_id in self._fetch_of)
+                and not self.manager.is_abandoned(plan)
             ]
 
     def abandon(self, plan: Plan) -> None:
@@ -396,20 +393,17 @@ class Offloader:
         written: do not reuse them before. ``reset`` no longer waits for the job.
         """
         with self._lock:
-            if self._fetch_job(plan) is not None:
-                assert isinstance(plan, StorePlan)  # only store plans fetch
-                if plan.plan_id in self._fetch_abandoned:
-                    raise PlanAlreadyAbandonedError(f"{plan!r} was abandoned already")
-                # Its block id stays quarantined until its job reports: the job may still
-                # write it.
-                self.manager.abandon(plan)
-                self._fetch_abandoned.add(plan.plan_id)
-                return
-            job = self._job(plan)
-            if job in self._abandoned:
+            # A fetch's block id stays quarantined until its job reports, as a store's
+            # does: the job may still write it.
+            fetch = self._fetch_job(plan)
+            if fetch is None:
+                mine = self._plans[self._job(plan)]
+            else:
+                mine = next(held for held in self._fetch_plans[fetch.job_id] if held == plan)
+            # Asked of the plan held here: the caller's may be another manager's equal twin.
+            if self.manager.is_abandoned(mine):
                 raise PlanAlreadyAbandonedError(f"{plan!r} was abandoned already")
             self.manager.abandon(plan)
-            self._abandoned.add(job)
 
     def reset(self, timeout: float | None = None) -> list[Finished]:
         """Wait for every job in flight but the abandoned ones, complete their plans, then
@@ -595,8 +589,7 @@ class Offloader:
             for plan, accepted in zip(self._fetch_plans.pop(job.job_id), job.result, strict=True):
                 del self._fetch_of[plan.plan_id]
                 started = self._fetch_started.pop(plan.plan_id)
-                abandoned = plan.plan_id in self._fetch_abandoned
-                self._fetch_abandoned.discard(plan.plan_id)
+                abandoned = self.manager.is_abandoned(plan)  # before the completion ends it
                 self._complete_fetch(plan, accepted)
                 counts["fetch_hits" if accepted else "fetch_misses"] += 1
                 counts["fetch_bytes"] += block_bytes if accepted else 0
@@ -619,10 +612,11 @@ class Offloader:
         return job
 
     def _unabandoned_fetches(self) -> list[RemoteJob]:
+        """The fetch jobs in flight with a plan not abandoned."""
         jobs = {
-            job.job_id: job
-            for plan_id, job in self._fetch_of.items()
-            if plan_id not in self._fetch_abandoned
+            job_id: self._fetch_of[plans[0].plan_id]
+            for job_id, plans in self._fetch_plans.items()
+            if not all(map(self.manager.is_abandoned, plans))
         }
         return list(jobs.values())
 
@@ -654,8 +648,17 @@ class Offloader:
         if self._ages is None:
             self._submitted_at[job] = time.monotonic()
 
+    @property
+    def _abandoned(self) -> frozenset[int]:
+        """The copy jobs in flight whose plans the manager has abandoned: a view of its
+        ledger, not a second one (what a test's snapshot of the offloader compares)."""
+        abandoned = self.manager.is_abandoned
+        return frozenset(job for job, plan in self._plans.items() if abandoned(plan))
+
     def _unabandoned(self) -> list[int]:
-        return [job for job in self._plans if job not in self._abandoned]
+        """The copy jobs in flight whose plans are not abandoned."""
+        abandoned = self.manager.is_abandoned
+        return [job for job, plan in self._plans.items() if not abandoned(plan)]
 
     def _job(self, plan: Plan) -> int:
         job = self._job_of.get(plan.plan_id) if isinstance(plan, Plan) else None

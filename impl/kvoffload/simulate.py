@@ -109,6 +109,9 @@ class TimedManager:
         self.inner.abandon(plan)
         self._timed("abandon", started)
 
+    def is_abandoned(self, plan: Plan) -> bool:
+        return self.inner.is_abandoned(plan)  # a query, not timed: the offloader's own use
+
     def touch(self, keys: Sequence[Key]) -> None:
         started = time.perf_counter_ns()
         self.inner.touch(keys)

@@ -13,7 +13,8 @@ expanded once. After every call it checks, by families (see :data:`CHECKS`):
     the system's own ``check_invariants()``.
 ``model``
     what the plans handed out so far predict, whatever the eviction policy: each key's
-    lookup, the free, evictable and quarantined counts; a refused ``prepare_store`` only
+    lookup, the free, evictable and quarantined counts, whether each plan held is
+    abandoned (``is_abandoned``); a refused ``prepare_store`` only
     when the candidates cannot fit in the free blocks plus the blocks that are ready,
     unpinned and outside the call; a store plan's candidates in call order, its victims
     evictable and not in the call, its block ids the lowest free ones; a load of a key that is
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import inspect
 import itertools
 import sys
 import time
@@ -54,7 +56,7 @@ import traceback
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 from kvoffload_spec.errors import (
     BlockNotFoundError,
@@ -78,6 +80,7 @@ from kvoffload_spec.operations import (
 )
 from kvoffload_spec.policies import POLICY_NAMES
 from kvoffload_spec.refinement import Fingerprint, abstract, copy_state, fingerprint
+from kvoffload_spec.state import SpecState
 from kvoffload_spec.surface import (
     BlocksRemoved,
     BlocksStored,
@@ -115,13 +118,17 @@ def model_fingerprint(system: object, plan_names: Mapping[int, int]) -> Fingerpr
     number), and so are the open plans: the explorer holds them, and its second
     completions show whether the system agrees.
     """
+    return fingerprint(_abstraction(system), plan_names)
+
+
+def _abstraction(system: object) -> SpecState:
     state = abstract(system)
     if state is None:
         raise InvalidArgumentError(
             f"explore needs a fingerprint for {type(system).__name__}: it states no "
             "abstraction (abstract_state())"
         )
-    return fingerprint(state, plan_names)
+    return state
 
 
 def clone_model(model: OffloadModel) -> OffloadModel:
@@ -223,6 +230,12 @@ class Violation(Exception):
     """A check failed; the message says which, in words."""
 
 
+class _ChecksAbstraction(Protocol):
+    """A system whose invariant check takes its abstraction, when built already."""
+
+    def check_invariants(self, abstraction: SpecState | None = None) -> None: ...
+
+
 # -- the report -----------------------------------------------------------------------------
 
 
@@ -272,13 +285,14 @@ class Report:
 class _Checker(Generic[S]):
     def __init__(
         self,
-        fingerprint: FingerprintFn[S],
+        fingerprint: FingerprintFn[S] | None,
         clone: Callable[[S], S],
         keys: Sequence[Key],
         store_threshold: int,
         checks: frozenset[str],
     ) -> None:
-        self.fingerprint = fingerprint
+        self.fingerprint = fingerprint  # None: that of the system's abstraction
+        self._takes_abstraction: dict[type, bool] = {}
         self.clone = clone
         self.keys = list(keys)
         self.store_threshold = store_threshold
@@ -505,9 +519,15 @@ class _Checker(Generic[S]):
         """Checks the system after a call, settles the account with its lookups and takes
         its fingerprint."""
         system = node.system
+        # The abstraction of a state is built once, for both its invariants and its
+        # fingerprint (before the lookups below, which change nothing in it).
+        state = _abstraction(system) if self.fingerprint is None else None
         if "invariants" in self.checks:
             try:
-                system.check_invariants()
+                if state is not None and self._hands_abstraction(system):
+                    cast(_ChecksAbstraction, system).check_invariants(abstraction=state)
+                else:
+                    system.check_invariants()
             except Exception as error:
                 raise Violation(f"invariant broken: {error}") from error
         try:
@@ -518,7 +538,27 @@ class _Checker(Generic[S]):
             raise Violation(
                 f"asking the system how it stands raised {_described(error)}"
             ) from error
-        node.fingerprint = self.fingerprint(system, node.plan_names())
+        node.fingerprint = self._fingerprint(system, node.plan_names(), state)
+
+    def _fingerprint(
+        self, system: S, plan_names: Mapping[int, int], state: SpecState | None = None
+    ) -> Fingerprint:
+        if self.fingerprint is not None:
+            return self.fingerprint(system, plan_names)
+        return fingerprint(_abstraction(system) if state is None else state, plan_names)
+
+    def _hands_abstraction(self, system: S) -> bool:
+        """Whether ``system.check_invariants`` takes the abstraction built already (the
+        manager's and the model's do; a wrapper's may not): asked once per class."""
+        kind = type(system)
+        takes = self._takes_abstraction.get(kind)
+        if takes is None:
+            try:
+                parameters = inspect.signature(system.check_invariants).parameters
+            except (TypeError, ValueError):  # no signature to read: do not guess
+                parameters = inspect.Signature().parameters
+            takes = self._takes_abstraction[kind] = "abstraction" in parameters
+        return takes
 
     def _look(self, node: _Node[S], events_due: list[Event]) -> None:
         system = node.system
@@ -539,6 +579,13 @@ class _Checker(Generic[S]):
                 raise Violation(
                     f"free/evictable/quarantined blocks are {counts}, the plans say {predicted}"
                 )
+            for number, held in enumerate(node.held):
+                answer = system.is_abandoned(held.plan)
+                if answer is not held.abandoned:
+                    raise Violation(
+                        f"is_abandoned(held plan {number}) is {answer!r}, "
+                        f"the plans say {held.abandoned}"
+                    )
         events = system.take_events()
         if "events" in self.checks and events != events_due:
             raise Violation(f"events {events} where {events_due} were due")
@@ -546,7 +593,7 @@ class _Checker(Generic[S]):
     def _unchanged(self, node: _Node[S], system: S, what: str, *, tracker: bool = True) -> None:
         if "unchanged" not in self.checks:
             return
-        after = self.fingerprint(system, node.plan_names())
+        after = self._fingerprint(system, node.plan_names())
         if after.cache != node.fingerprint.cache or (tracker and after != node.fingerprint):
             raise Violation(f"{what} changed the state")
         if system.take_events():
@@ -582,7 +629,9 @@ def explore(
 
     ``fingerprint`` defaults to :func:`model_fingerprint`, the fingerprint of the system's
     abstraction, which works for every system that states one (``abstract_state()``: the
-    reference model, ``OffloadManager``); give one for any other system. ``clone``
+    reference model, ``OffloadManager``); give one for any other system. By default the
+    abstraction of each state is built once: a system whose ``check_invariants`` takes
+    ``abstraction=`` (both of those) is handed the one built for the fingerprint. ``clone``
     defaults to :func:`clone_model` for the model, else ``copy.deepcopy``.
     ``store_threshold`` is the system's: with 1, a store's candidates are checked exactly.
     ``checks`` picks families from :data:`CHECKS`: leave out ``"events"`` for a system
@@ -602,8 +651,6 @@ def explore(
         )
     if max_seconds is not None:
         check_seconds("max_seconds", max_seconds)
-    if fingerprint is None:
-        fingerprint = cast(FingerprintFn[S], model_fingerprint)
     if clone is None:
         clone = cast(Callable[[S], S], _clone)
     checker = _Checker(fingerprint, clone, alphabet, store_threshold, frozenset(checks))

@@ -29,6 +29,7 @@ from kvoffload_spec.validation import (
     check_abandonable,
     check_count,
     check_flag,
+    check_issued_plan,
     check_key,
     check_keys,
     check_open_plan,
@@ -131,6 +132,19 @@ class OffloadModel:
         )
         state.abandon(checked)
 
+    def is_abandoned(self, plan: StorePlan | LoadPlan) -> bool:
+        """Whether ``plan`` was abandoned and not completed since (see
+        ``SpecState.is_abandoned``): True from ``abandon(plan)`` until ``complete_*(plan)``,
+        across resets; False otherwise, a completed plan included. Changes nothing. Raises
+        ``ForeignPlanError`` for anything but a plan this model issued (an open one must be
+        the very plan issued).
+        """
+        state = self.state
+        checked = check_issued_plan(
+            plan, owner=state.owner, open_plans=state.open_plans, issued=state.next_plan_id
+        )
+        return state.is_abandoned(checked)
+
     def touch(self, keys: Sequence[Key]) -> None:
         self.state.touch(check_keys(keys))
 
@@ -146,8 +160,10 @@ class OffloadModel:
         events.clear()
         return taken
 
-    def check_invariants(self) -> None:
-        problems = invariant_violations(self.state)
+    def check_invariants(self, abstraction: SpecState | None = None) -> None:
+        """Raise ``SpecViolation`` if the state breaks an invariant; ``abstraction`` (what
+        :meth:`abstract_state` returned: the state itself) is taken as the manager's is."""
+        problems = invariant_violations(self.state if abstraction is None else abstraction)
         if problems:
             raise SpecViolation("; ".join(problems))
 

@@ -18,12 +18,12 @@ from kvoffload_spec.surface import Key, LoadPlan, ManagerSurface, Plan, StorePla
 
 PREPARE_STORE, PREPARE_LOAD, TOUCH = "prepare_store", "prepare_load", "touch"
 COMPLETE_STORE, COMPLETE_LOAD, RESET = "complete_store", "complete_load", "reset_cache"
-ABANDON, LOOKUP = "abandon", "lookup"
+ABANDON, LOOKUP, IS_ABANDONED = "abandon", "lookup", "is_abandoned"
 
 KEYED = (PREPARE_STORE, PREPARE_LOAD, TOUCH)
 """The operations that take a list of keys."""
 
-ON_PLANS = (COMPLETE_STORE, COMPLETE_LOAD, ABANDON)
+ON_PLANS = (COMPLETE_STORE, COMPLETE_LOAD, ABANDON, IS_ABANDONED)
 """The operations that take a held plan."""
 
 OPERATIONS = (*KEYED, *ON_PLANS, RESET, LOOKUP)
@@ -54,11 +54,12 @@ class Operation:
     """One call on the manager's surface.
 
     ``name`` is one of :data:`OPERATIONS`. ``keys`` are the keys of a keyed call or a
-    lookup (its first key). ``plan`` is the index of a held plan (completions, ``abandon``
-    and misuses). ``success`` is a store completion's flag. ``malformed`` appends an
-    unhashable key to ``keys``; ``argument``, when given, is passed instead of the keys (a
-    bad argument). ``misuse`` (one of :data:`PLAN_MISUSES` or :data:`CLOSED_MISUSES`) turns
-    the call into that misuse of the plan.
+    lookup (its first key). ``plan`` is the index of a held plan (completions, ``abandon``,
+    ``is_abandoned`` and misuses; ``is_abandoned`` may name a completed plan too).
+    ``success`` is a store completion's flag. ``malformed`` appends an unhashable key to
+    ``keys``; ``argument``, when given, is passed instead of the keys (a bad argument).
+    ``misuse`` (one of :data:`PLAN_MISUSES` or :data:`CLOSED_MISUSES`) turns the call into
+    that misuse of the plan.
     """
 
     name: str
@@ -120,6 +121,8 @@ def perform(
         return system.reset_cache()  # type: ignore[func-returns-value]
     if op.name == ABANDON:
         return system.abandon(plan)  # type: ignore[arg-type, func-returns-value]
+    if op.name == IS_ABANDONED:
+        return system.is_abandoned(plan)  # type: ignore[arg-type]
     if op.name == COMPLETE_STORE:
         return system.complete_store(plan, op.success)  # type: ignore[arg-type, func-returns-value]
     if op.name == COMPLETE_LOAD:

@@ -5,7 +5,9 @@ so that a checker (CrossHair) can build arbitrary states; :func:`invariant_viola
 which of them are reachable-shaped. Each transition opens with ``assert`` preconditions (what
 the caller, :class:`~kvoffload_spec.model.OffloadModel`, has validated) and closes with
 ``assert`` postconditions. Those asserts are the contract, not input validation: the public
-model raises typed errors before it ever calls a transition.
+model raises typed errors before it ever calls a transition. What a postcondition compares
+with (a snapshot taken before the change) is taken only ``if __debug__``: under
+``python -O`` the asserts are gone, and so is their cost.
 
 Block states::
 
@@ -122,6 +124,20 @@ class SpecState:
         if block is None:
             return Lookup.MISS
         return Lookup.HIT if block.ready else Lookup.PENDING
+
+    def is_abandoned(self, plan: StorePlan | LoadPlan) -> bool:
+        """Whether ``plan`` was abandoned and its (late) completion has not come yet.
+
+        Pre: ``plan`` was issued by this state (open, or completed already).
+        True from ``abandon(plan)`` until ``complete_*(plan)``, whatever resets came
+        between (a reset makes the plan stale, not less abandoned: its job is still due to
+        report, and a store's quarantine lasts until it does); False before ``abandon``,
+        for a plan never abandoned, and once the plan is completed (closed, it holds
+        nothing). Only an open plan can be abandoned (invariant 10), so a closed plan's id
+        is never in ``abandoned``.
+        """
+        assert 0 <= plan.plan_id < self.next_plan_id
+        return plan.plan_id in self.abandoned
 
     def quarantined(self) -> list[int]:
         """The block ids abandoned store jobs may still write: neither free nor resident."""
@@ -289,7 +305,9 @@ class SpecState:
         """
         assert all(self.lookup(key) is Lookup.HIT for key in keys)
         assert not invariant_violations(self)
-        newly_pinned = sum(1 for key in set(keys) if self.blocks[key].refs == 0)
+        newly_pinned = 0
+        if __debug__:
+            newly_pinned = sum(1 for key in set(keys) if self.blocks[key].refs == 0)
         evictable_before = self.num_evictable
         for key in keys:
             block = self.blocks[key]
@@ -331,7 +349,9 @@ class SpecState:
             block.refs -= 1
             if block.refs == 0:
                 self.num_evictable += 1
-        released = sum(1 for key in set(plan.keys) if self.blocks[key].refs == 0)
+        released = 0
+        if __debug__:
+            released = sum(1 for key in set(plan.keys) if self.blocks[key].refs == 0)
         assert self.num_evictable == evictable_before + released
 
     def abandon(self, plan: StorePlan | LoadPlan) -> None:
@@ -347,7 +367,7 @@ class SpecState:
         assert self.open_plans.get(plan.plan_id) == plan
         assert plan.plan_id not in self.abandoned
         assert not invariant_violations(self)
-        free_before = list(self.free_block_ids)
+        free_before = list(self.free_block_ids) if __debug__ else []
         quarantine: list[int] = []
         dropped: list[Key] = []
         if plan.generation == self.generation and isinstance(plan, LoadPlan):
@@ -370,7 +390,7 @@ class SpecState:
         target) changed.
         """
         assert not invariant_violations(self)
-        before = repr(self.blocks)
+        before = repr(self.blocks) if __debug__ else ""
         self.order.touch(keys, lambda key: self.blocks[key].ready)
         assert repr(self.blocks) == before
 

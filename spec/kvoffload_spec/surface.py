@@ -100,6 +100,12 @@ class ManagerOperations(Protocol):
     """The operations that drive a manager, and its size: all that the ``Offloader`` facade
     and a trace replay call, so a wrapper of a manager (timing or logging its calls) need
     offer no more. ``isinstance`` checks that the names are there (not their signatures).
+
+    ``is_abandoned(plan)`` is the one query on plans: the manager's ledger of abandoned
+    plans is the only one (the ``Offloader`` keeps none of its own). It is True from
+    ``abandon(plan)`` until the plan's (late) completion, across resets; False for a plan
+    never abandoned and for one completed already. It changes nothing, and raises
+    ``ForeignPlanError`` for anything but a plan this manager issued.
     """
 
     @property
@@ -110,6 +116,7 @@ class ManagerOperations(Protocol):
     def prepare_load(self, keys: Sequence[Key]) -> LoadPlan: ...
     def complete_load(self, plan: LoadPlan) -> None: ...
     def abandon(self, plan: Plan) -> None: ...
+    def is_abandoned(self, plan: Plan) -> bool: ...
     def touch(self, keys: Sequence[Key]) -> None: ...
     def reset_cache(self) -> None: ...
 

@@ -16,7 +16,7 @@ from kvoffload_spec.errors import (
     PlanAlreadyCompletedError,
     UnknownPolicyError,
 )
-from kvoffload_spec.surface import Key, LoadPlan, PlanT, StorePlan
+from kvoffload_spec.surface import Key, LoadPlan, Plan, PlanT, StorePlan
 
 
 def _fail(message: str) -> NoReturn:
@@ -115,3 +115,24 @@ def check_abandonable(
             "its job reports"
         )
     return checked
+
+
+def check_issued_plan(
+    plan: object,
+    *,
+    owner: int,
+    open_plans: Mapping[int, StorePlan | LoadPlan],
+    issued: int,
+) -> Plan:
+    """``plan`` must be a plan of either kind this manager issued, open or completed; an
+    open one must be the very plan issued (a closed one cannot be told from a forgery of
+    it: no record of it is kept)."""
+    if not isinstance(plan, (StorePlan, LoadPlan)):
+        raise ForeignPlanError(f"expected a StorePlan or LoadPlan, got {type(plan).__name__}")
+    kind = type(plan).__name__
+    if plan.owner != owner:
+        raise ForeignPlanError(f"{kind} {plan.plan_id} was issued by another manager")
+    found = open_plans.get(plan.plan_id)
+    if not 0 <= plan.plan_id < issued or (found is not None and found != plan):
+        raise ForeignPlanError(f"{kind} {plan.plan_id} was not issued like this")
+    return plan

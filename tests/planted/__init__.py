@@ -40,6 +40,7 @@ RACES = "race checks"  # jittered hand-offs between the offloader's threads, man
 LAYOUTS = "layout checks"  # valid layouts with odd size-1 strides must be accepted
 OFFLOADER_MACHINE = "offloader machine"  # the Offloader's state machine, data path included
 VERIFY = "verify"  # `kvoffload verify --policy module:Class` on a user's policy
+ABANDONED_FETCH = "abandoned fetch"  # a stalled fetch abandoned, the pool reused, bytes read
 
 CHECKERS = (
     EXPLORER,
@@ -56,6 +57,7 @@ CHECKERS = (
     LAYOUTS,
     OFFLOADER_MACHINE,
     VERIFY,
+    ABANDONED_FETCH,
 )
 
 
@@ -258,6 +260,12 @@ _OFFLOADERS = (
         broken.OffloaderTouchDeduplicatedKeepingTheLast,
         broken.OffloaderTouchDeduplicatedKeepingTheLast,
         OFFLOADER_MACHINE,
+    ),
+    _planted(
+        "the offloader frees an abandoned fetch's block id at once",
+        broken.OffloaderFreesAnAbandonedFetchAtOnce,
+        broken.OffloaderFreesAnAbandonedFetchAtOnce,
+        ABANDONED_FETCH,
     ),
 )
 

@@ -253,3 +253,21 @@ class OffloaderTouchDeduplicatedKeepingTheLast(Offloader):
     def touch(self, keys: Sequence[Key]) -> None:
         with self._lock:
             self.manager.touch(list(dict.fromkeys(reversed(keys)))[::-1])
+
+
+class OffloaderFreesAnAbandonedFetchAtOnce(Offloader):
+    """Ends an abandoned fetch's quarantine at once, completing its plan as failed (what a
+    timeout that gives up on the remote does): the fetch's job may still write the block
+    id, which another key's store then takes."""
+
+    ended: frozenset[int] = frozenset()  # fetch plan ids completed at abandon
+
+    def abandon(self, plan: Plan) -> None:
+        super().abandon(plan)
+        if isinstance(plan, StorePlan) and plan.plan_id in self._fetch_of:
+            self.manager.complete_store(plan, success=False)
+            self.ended |= {plan.plan_id}
+
+    def _complete_fetch(self, plan: StorePlan, accepted: bool) -> None:
+        if plan.plan_id not in self.ended:
+            super()._complete_fetch(plan, accepted)

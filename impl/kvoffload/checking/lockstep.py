@@ -5,10 +5,11 @@
 :class:`~kvoffload_spec.operations.Operation` on both, the system first, and compares what
 they returned or raised (plans field by field, errors by class); :meth:`Lockstep.check`
 then compares everything observable: both sides' invariants, the counts, the lookups of the
-watched keys, the events, the stats of a manager that has them, and, when the system states
-its abstraction (:mod:`kvoffload_spec.refinement`), the whole abstract state. Every call is
-recorded, so a failure (:class:`Divergence`) reads as a numbered history ending in the two
-things that differed.
+watched keys, whether each open plan is abandoned (``is_abandoned``), the events, the stats
+of a manager that has them, and, when the system states its abstraction
+(:mod:`kvoffload_spec.refinement`), the whole abstract state. Every call is recorded, so
+a failure (:class:`Divergence`) reads as a numbered history ending in the two things that
+differed.
 
 For a policy the spec does not know, ``dictated=True`` makes the model evict exactly what
 the system evicted, once checked legal (:class:`DictatedOrder`); everything else (block ids,
@@ -33,6 +34,7 @@ from kvoffload_spec.operations import (
     ABANDON,
     COMPLETE_LOAD,
     COMPLETE_STORE,
+    IS_ABANDONED,
     ON_PLANS,
     PREPARE_LOAD,
     PREPARE_STORE,
@@ -86,7 +88,8 @@ class Lockstep:
 
     ``held`` are the open plans, each as (the system's, the model's), in the order they
     were issued, ``closed`` the completed ones; an operation's ``plan`` indexes ``held``
-    (for a misuse, ``held + closed``).
+    (for a misuse and for ``is_abandoned``, which may ask of a completed plan,
+    ``held + closed``).
     ``setting`` describes the configuration in the failure's first line; ``watched`` are
     the keys whose lookups :meth:`check` compares. ``keep`` bounds the record for a long
     run: only the last ``keep`` calls (and completed plans) are kept, numbered as made.
@@ -238,6 +241,12 @@ class Lockstep:
             self.same(view, getattr(self.system, view), getattr(self.model, view))
         for key in self.watched:
             self.same(f"lookup({key!r})", self.system.lookup(key), self.model.lookup(key))
+        for open_plan, twin in self.held:
+            self.same(
+                f"is_abandoned({self.name(open_plan)})",
+                self.system.is_abandoned(open_plan),
+                self.model.is_abandoned(twin),
+            )
         self.same("take_events()", self.system.take_events(), self.model.take_events())
         self._agree_on_stats()
         mine = abstract(self.system)
@@ -365,7 +374,8 @@ class Lockstep:
     def _plans_of(self, op: Operation) -> tuple[Plan | None, Plan | None]:
         if op.plan < 0:
             return None, None
-        return (self.held + self.closed if op.misuse else self.held)[op.plan]
+        any_issued = op.misuse or op.name == IS_ABANDONED
+        return (self.held + self.closed if any_issued else self.held)[op.plan]
 
     def _account(self, op: Operation, got: object, expected: object) -> None:
         """Keep ``held`` and ``closed`` as the call left them."""
