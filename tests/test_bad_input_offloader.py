@@ -106,11 +106,10 @@ class OffloaderWorld:
         offloader = self.offloader
         engine = offloader.engine
         return (
-            every_field(offloader.manager),
+            every_field(offloader.manager),  # its ledger of abandoned plans too
             repr(abstract(offloader.manager)),  # the policy's order too (it has no slots)
             dict(offloader._plans),
             dict(offloader._job_of),
-            set(offloader._abandoned),
             dict(offloader._submitted_at),
             engine._issued,
             engine.closed,

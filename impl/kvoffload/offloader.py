@@ -648,13 +648,6 @@ class Offloader:
         if self._ages is None:
             self._submitted_at[job] = time.monotonic()
 
-    @property
-    def _abandoned(self) -> frozenset[int]:
-        """The copy jobs in flight whose plans the manager has abandoned: a view of its
-        ledger, not a second one (what a test's snapshot of the offloader compares)."""
-        abandoned = self.manager.is_abandoned
-        return frozenset(job for job, plan in self._plans.items() if abandoned(plan))
-
     def _unabandoned(self) -> list[int]:
         """The copy jobs in flight whose plans are not abandoned."""
         abandoned = self.manager.is_abandoned
