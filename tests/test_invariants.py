@@ -21,7 +21,7 @@ from tests.helpers import reported
 
 def healthy() -> tuple[OffloadManager, StorePlan, LoadPlan]:
     """Keys 0 and 1 ready, 2 pinned by an open load plan, 3 pending on an open store plan
-    (slot 3); slots 4 and 5, the last of the pool, free again after a failed store.
+    (block id 3); block ids 4 and 5, the last of the pool, free again after a failed store.
     """
     manager = OffloadManager(6, "lru")
     ready = manager.prepare_store([0, 1, 2])
@@ -38,7 +38,7 @@ def healthy() -> tuple[OffloadManager, StorePlan, LoadPlan]:
 
 
 def corrupt_slot_shared(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
-    m._slot_of[1] = m._slot_of[0]
+    m._block_id_of[1] = m._block_id_of[0]
 
 
 def corrupt_slot_leaked(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
@@ -46,18 +46,18 @@ def corrupt_slot_leaked(m: OffloadManager, store: StorePlan, load: LoadPlan) -> 
 
 
 def corrupt_slot_negative(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
-    m._slot_of[0] = -1
+    m._block_id_of[0] = -1
 
 
 def corrupt_slot_beyond_pool(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
-    m._freed.append(m._fresh)  # a seventh slot in a pool of six
+    m._freed.append(m._fresh)  # a seventh block id in a pool of six
     m._fresh += 1
 
 
 def corrupt_slot_at_the_top(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
-    m._freed.remove(5)  # slot 5 was never handed out: fresh is 5 ...
+    m._freed.remove(5)  # block id 5 was never handed out: fresh is 5 ...
     m._fresh = 5
-    m._slot_of[0] = 5  # ... yet key 0 sits there
+    m._block_id_of[0] = 5  # ... yet key 0 sits there
 
 
 def corrupt_heap(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
@@ -121,7 +121,7 @@ def corrupt_policy_same_size(m: OffloadManager, store: StorePlan, load: LoadPlan
 def corrupt_pending_on_abandoned(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
     m.abandon(store)
     m._storing[3] = store.plan_id  # as if the abandoned store still held its key
-    m._slot_of[3] = 3
+    m._block_id_of[3] = 3
 
 
 def corrupt_lru_stamps(m: OffloadManager, store: StorePlan, load: LoadPlan) -> None:
@@ -191,7 +191,7 @@ def test_check_invariants_lists_every_problem_apart() -> None:
 def test_a_repeated_free_slot_is_an_overlap_not_a_heap_disorder() -> None:
     """The heap property is parent <= child: equal entries are in order."""
     manager, _, _ = healthy()
-    manager._freed[:] = [4, 4]  # slot 5 leaked, slot 4 listed twice
+    manager._freed[:] = [4, 4]  # block id 5 leaked, block id 4 listed twice
     with pytest.raises(SpecViolation) as raised:
         manager.check_invariants()
     problems = str(raised.value).split("; ")

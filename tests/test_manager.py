@@ -286,7 +286,7 @@ def test_reset_reports_ready_keys_by_slot() -> None:
     manager = OffloadManager(3, enable_events=True)
     stored(manager, ["a", "b", "c"])
     manager.prepare_load(["a"])
-    plan = manager.prepare_store(["d"])  # evicts b (a is pinned): d takes slot 1
+    plan = manager.prepare_store(["d"])  # evicts b (a is pinned): d takes block id 1
     assert plan is not None and plan.block_ids == (1,)
     manager.complete_store(plan)
     manager.take_events()
@@ -392,11 +392,11 @@ def corrupt_counter(manager: OffloadManager) -> None:
 
 
 def corrupt_refs(manager: OffloadManager) -> None:
-    manager._refs[manager._slot_of["a"]] = 2
+    manager._refs[manager._block_id_of["a"]] = 2
 
 
 def corrupt_free_slots(manager: OffloadManager) -> None:
-    manager._freed.append(manager._slot_of["a"])
+    manager._freed.append(manager._block_id_of["a"])
 
 
 def corrupt_policy(manager: OffloadManager) -> None:
@@ -483,7 +483,7 @@ def test_a_full_pool_of_pending_blocks_is_refused_without_asking_the_policy() ->
 def test_slots_are_reused_lowest_first() -> None:
     manager = OffloadManager(6)
     stored(manager, list("abcdef"))
-    plan = manager.prepare_store(["x", "y"])  # evicts a and b: slots 0 and 1 come back
+    plan = manager.prepare_store(["x", "y"])  # evicts a and b: block ids 0 and 1 come back
     assert plan is not None and plan.block_ids == (0, 1)
     failing = manager.prepare_store([])
     assert failing is not None and failing.keys == () and failing.block_ids == ()

@@ -1,8 +1,8 @@
 """The production offloading manager: the spec's surface, at O(k log n) per call.
 
 ``OffloadManager`` is checked step by step against ``kvoffload_spec.OffloadModel`` (see
-docs/conformance.md): the same plans, slot ids, events and errors. It owns the blocks, their
-slots, refs, counters, plans and events; the eviction policy owns only the order (see
+docs/conformance.md): the same plans, block ids, events and errors. It owns the blocks, their
+block ids, refs, counters, plans and events; the eviction policy owns only the order (see
 ``kvoffload.policies.base``). docs/manager.md explains the data structures.
 """
 
@@ -86,9 +86,9 @@ def _checked_keys(keys: Sequence[Key]) -> Sequence[Key]:
 
 
 class OffloadManager:
-    """Bookkeeping of a CPU block pool: which keys it holds, in which slot, what to evict.
+    """Bookkeeping of a CPU block pool: which keys it holds, in which block id, what to evict.
 
-    The surface, plans, slot ids, events and errors are exactly those of
+    The surface, plans, block ids, events and errors are exactly those of
     ``kvoffload_spec.OffloadModel``; every call costs O(k log n) for k keys (``reset_cache``
     and ``check_invariants`` excepted), however many blocks are pinned, pending or protected.
 
@@ -103,6 +103,7 @@ class OffloadManager:
 
     __slots__ = (
         "_abandoned",
+        "_block_id_of",
         "_clock",
         "_events",
         "_freed",
@@ -118,7 +119,6 @@ class OffloadManager:
         "_owner",
         "_policy",
         "_refs",
-        "_slot_of",
         "_stall_after",
         "_store_threshold",
         "_storing",
@@ -157,11 +157,11 @@ class OffloadManager:
         self._clock = clock
         self._num_blocks = num_blocks
         self._policy = policy_class(num_blocks)
-        self._slot_of: ShardedDict[Key, int] = ShardedDict(num_blocks)  # every resident key
+        self._block_id_of: ShardedDict[Key, int] = ShardedDict(num_blocks)  # every resident key
         self._storing: dict[Key, int] = {}  # pending key -> id of the plan storing it
-        self._refs = _zeros(num_blocks)  # by slot: loads reading that block
-        # The free slots are the heap ``_freed`` plus every slot from ``_fresh`` up: all of
-        # ``_freed`` lies below ``_fresh``, so the lowest free slot is on top of the heap.
+        self._refs = _zeros(num_blocks)  # by block id: loads reading that block
+        # The free block ids are the heap ``_freed`` plus every block id from ``_fresh`` up: all of
+        # ``_freed`` lies below ``_fresh``, so the lowest free block id is on top of the heap.
         self._freed: list[int] = []
         self._fresh = 0
         self._num_evictable = 0
@@ -169,7 +169,7 @@ class OffloadManager:
         self._events: list[Event] | None = [] if events_on else None
         self._open_plans: AscendingDict[StorePlan | LoadPlan] = AscendingDict()
         self._opened_at: AscendingDict[float] = AscendingDict()  # open plan id -> its clock
-        # abandoned plan id -> the slots its store job may still write (quarantined)
+        # abandoned plan id -> the block ids its store job may still write (quarantined)
         self._abandoned: dict[int, tuple[int, ...]] = {}
         self._next_plan_id = 0
         self._generation = 0
@@ -179,7 +179,7 @@ class OffloadManager:
     def __repr__(self) -> str:
         return (
             f"OffloadManager({self._num_blocks}, {type(self._policy).__name__}, "
-            f"resident={len(self._slot_of)}, pending={len(self._storing)}, "
+            f"resident={len(self._block_id_of)}, pending={len(self._storing)}, "
             f"evictable={self._num_evictable}, free={self.num_free_blocks})"
         )
 
@@ -210,7 +210,7 @@ class OffloadManager:
     def lookup(self, key: Key) -> Lookup:
         """MISS, PENDING or HIT. Changes no cache state (only the lookup counters)."""
         try:
-            resident = key in self._slot_of
+            resident = key in self._block_id_of
         except TypeError:
             check_key(key)  # raises the typed error for an unhashable key
             raise
@@ -228,7 +228,7 @@ class OffloadManager:
         """Gauges and counters, as a frozen snapshot (O(n / 512) for the resident count, plus
         the stalled plans).
         """
-        resident, pending = len(self._slot_of), len(self._storing)
+        resident, pending = len(self._block_id_of), len(self._storing)
         stalled = self.stalled_plans()
         current = [plan for plan in stalled if plan.generation == self._generation]
         return ManagerStats(
@@ -276,18 +276,18 @@ class OffloadManager:
         if victims is None:
             self._tally.rejected_stores += 1
             return None
-        evicted_slots = self._evict(victims)
+        evicted_block_ids = self._evict(victims)
         plan_id = self._next_plan_id
-        slots = self._place(candidates, plan_id)
+        block_ids = self._place(candidates, plan_id)
         return self._open(
             StorePlan(
                 tuple(candidates),
-                slots,
+                block_ids,
                 tuple(victims),
                 plan_id,
                 self._generation,
                 self._owner,
-                evicted_slots,
+                evicted_block_ids,
             )
         )
 
@@ -299,8 +299,8 @@ class OffloadManager:
         plan = self._close(plan, StorePlan)
         quarantine = self._abandoned.pop(plan.plan_id, None)
         if quarantine is not None:
-            for slot in quarantine:  # its job is over: nothing can write these slots now
-                heapq.heappush(self._freed, slot)
+            for block_id in quarantine:  # its job is over: nothing can write these block ids now
+                heapq.heappush(self._freed, block_id)
             return
         if plan.generation != self._generation:
             return  # the ABA guard: these keys may have been stored again since the reset
@@ -317,14 +317,14 @@ class OffloadManager:
         """Pin ``keys`` (once per occurrence) for reading. Raises ``BlockNotFoundError`` or
         ``BlockPendingError`` if a key is not ready; then nothing changed.
         """
-        found = self._slot_of.get_each(_checked_keys(keys))
+        found = self._block_id_of.get_each(_checked_keys(keys))
         storing = self._storing
         if None in found or any(key in storing for key in keys):
             for key in keys:  # the first key that is not ready says why
                 self._require_ready(key)
-        slots = tuple(self._pin(key) for key in keys)
+        block_ids = tuple(self._pin(key) for key in keys)
         return self._open(
-            LoadPlan(tuple(keys), slots, self._next_plan_id, self._generation, self._owner)
+            LoadPlan(tuple(keys), block_ids, self._next_plan_id, self._generation, self._owner)
         )
 
     def complete_load(self, plan: LoadPlan) -> None:
@@ -342,7 +342,7 @@ class OffloadManager:
         """Give up waiting for the job of ``plan`` (it stalled), without trusting it ended.
 
         A load plan's pins are released now. A store plan's keys become absent now (an
-        event says their store failed), but their slots stay *quarantined*, handed out to no
+        event says their store failed), but their block ids stay *quarantined*, handed out to no
         one, until ``complete_store(plan)`` reports that the job can no longer write them.
         The plan must still be completed once, when its job reports (late); that changes
         nothing else. Raises ``PlanAlreadyAbandonedError`` the second time, and the errors
@@ -364,12 +364,12 @@ class OffloadManager:
             self._abandoned[plan.plan_id] = ()
         else:
             dropped = [key for key in plan.keys if self._storing.get(key) == plan.plan_id]
-            slots = []
+            block_ids = []
             for key in dropped:
                 del self._storing[key]
-                slots.append(self._slot_of.pop(key))
+                block_ids.append(self._block_id_of.pop(key))
                 self._policy.remove(key)
-            self._abandoned[plan.plan_id] = tuple(slots)
+            self._abandoned[plan.plan_id] = tuple(block_ids)
             self._emit(dropped, RemovalReason.STORE_FAILED)
 
     def is_abandoned(self, plan: StorePlan | LoadPlan) -> bool:
@@ -394,16 +394,16 @@ class OffloadManager:
     def reset_cache(self) -> None:
         """Drop every block (O(n)). Open plans stay open; completing them changes nothing."""
         if self._events is not None:
-            ready = [key for key in self._slot_of if key not in self._storing]
-            ready.sort(key=self._slot_of.__getitem__)
+            ready = [key for key in self._block_id_of if key not in self._storing]
+            ready.sort(key=self._block_id_of.__getitem__)
             self._emit(ready, RemovalReason.RESET)
-        self._slot_of.clear()
+        self._block_id_of.clear()
         self._storing.clear()
         self._refs = _zeros(self._num_blocks)
-        # Abandoned stores' jobs may still write their slots: those stay quarantined.
-        quarantined = {slot for slots in self._abandoned.values() for slot in slots}
+        # Abandoned stores' jobs may still write their block ids: those stay quarantined.
+        quarantined = {block_id for block_ids in self._abandoned.values() for block_id in block_ids}
         self._fresh = max(quarantined, default=-1) + 1
-        self._freed = [slot for slot in range(self._fresh) if slot not in quarantined]
+        self._freed = [block_id for block_id in range(self._fresh) if block_id not in quarantined]
         self._num_evictable = 0
         self._policy.clear()
         self._generation += 1
@@ -450,8 +450,8 @@ class OffloadManager:
             num_blocks=self._num_blocks,
             order=LruOrder(self._policy.resident()) if order is None else order,
             blocks={
-                key: Block(slot, refs[slot], storing.get(key))
-                for key, slot in self._slot_of.items()
+                key: Block(block_id, refs[block_id], storing.get(key))
+                for key, block_id in self._block_id_of.items()
             },
             free_block_ids=sorted([*self._freed, *range(self._fresh, self._num_blocks)]),
             num_evictable=self._num_evictable,
@@ -463,13 +463,13 @@ class OffloadManager:
             offers=dict(self._offers),
             events=None if self._events is None else list(self._events),
             owner=self._owner,
-            abandoned={plan_id: list(slots) for plan_id, slots in self._abandoned.items()},
+            abandoned={plan_id: list(block_ids) for plan_id, block_ids in self._abandoned.items()},
         )
 
     # -- prepare_store, step by step -------------------------------------------------------
 
     def _candidates(self, distinct: dict[Key, None]) -> list[Key]:
-        absent = self._slot_of.missing(distinct)
+        absent = self._block_id_of.missing(distinct)
         if self._store_threshold < 2:
             return absent
         self._record_offers(distinct)
@@ -524,33 +524,33 @@ class OffloadManager:
             )
 
     def _evict(self, victims: list[Key]) -> tuple[int, ...]:
-        """Drop ``victims``; their slots, in eviction order (their bytes are still there)."""
-        slots = tuple(self._slot_of.pop_each(victims))
+        """Drop ``victims``; their block ids, in eviction order (their bytes are still there)."""
+        block_ids = tuple(self._block_id_of.pop_each(victims))
         freed = self._freed
-        for slot in slots:
-            heapq.heappush(freed, slot)
+        for block_id in block_ids:
+            heapq.heappush(freed, block_id)
         self._num_evictable -= len(victims)
         self._policy.evict(victims)
         self._tally.evictions += len(victims)
         self._emit(victims, RemovalReason.EVICTED)
-        return slots
+        return block_ids
 
     def _place(self, candidates: list[Key], plan_id: int) -> tuple[int, ...]:
-        """Make ``candidates`` pending in the lowest free slots, in call order."""
-        slots = self._take_slots(len(candidates))
-        self._slot_of.set_each(candidates, slots)
+        """Make ``candidates`` pending in the lowest free block ids, in call order."""
+        block_ids = self._take_block_ids(len(candidates))
+        self._block_id_of.set_each(candidates, block_ids)
         storing, insert = self._storing, self._policy.insert
         for key in candidates:
             storing[key] = plan_id
             insert(key)
-        return slots
+        return block_ids
 
-    def _take_slots(self, count: int) -> tuple[int, ...]:
-        """The ``count`` lowest free slots, ascending (freed ones lie below the fresh)."""
+    def _take_block_ids(self, count: int) -> tuple[int, ...]:
+        """The ``count`` lowest free block ids, ascending (freed ones lie below the fresh)."""
         freed = self._freed
         reused = min(count, len(freed))
         taken = tuple(map(heapq.heappop, repeat(freed, reused)))
-        if reused == count:  # a full pool: every slot was freed by this call's evictions
+        if reused == count:  # a full pool: every block id was freed by this call's evictions
             return taken
         fresh = self._fresh
         self._fresh = fresh + count - reused
@@ -567,39 +567,39 @@ class OffloadManager:
 
     def _drop_failed(self, keys: list[Key]) -> None:
         for key in keys:
-            heapq.heappush(self._freed, self._slot_of.pop(key))
+            heapq.heappush(self._freed, self._block_id_of.pop(key))
             self._policy.remove(key)
         self._tally.failed_stores += len(keys)
         self._emit(keys, RemovalReason.STORE_FAILED)
 
     def _pin(self, key: Key) -> int:
-        slot = self._slot_of[key]
-        if not self._refs[slot]:
+        block_id = self._block_id_of[key]
+        if not self._refs[block_id]:
             self._policy.mark_unevictable(key)
             self._num_evictable -= 1
-        self._refs[slot] += 1
-        return slot
+        self._refs[block_id] += 1
+        return block_id
 
     def _unpin(self, key: Key) -> None:
-        slot = self._slot_of[key]
-        self._refs[slot] -= 1
-        if not self._refs[slot]:
+        block_id = self._block_id_of[key]
+        self._refs[block_id] -= 1
+        if not self._refs[block_id]:
             self._policy.mark_evictable(key)
             self._num_evictable += 1
 
     # -- helpers ---------------------------------------------------------------------------
 
     def _lookup(self, key: Key) -> Lookup:
-        if key not in self._slot_of:
+        if key not in self._block_id_of:
             return Lookup.MISS
         return Lookup.PENDING if key in self._storing else Lookup.HIT
 
     def _is_ready(self, key: Key) -> bool:
-        return key in self._slot_of and key not in self._storing
+        return key in self._block_id_of and key not in self._storing
 
     def _is_evictable(self, key: Key) -> bool:
-        slot = self._slot_of.get(key)
-        return slot is not None and key not in self._storing and not self._refs[slot]
+        block_id = self._block_id_of.get(key)
+        return block_id is not None and key not in self._storing and not self._refs[block_id]
 
     def _require_ready(self, key: Key) -> None:
         found = self._lookup(key)
@@ -644,23 +644,27 @@ class OffloadManager:
         """What is wrong with the tables themselves, in words: what the abstraction cannot
         show (the spec's invariants cover everything it can)."""
         problems: list[str] = []
-        slots = list(self._slot_of.values())
-        quarantined = [slot for held in self._abandoned.values() for slot in held]
-        every_slot = slots + self._freed + quarantined
-        if len(set(every_slot)) != len(every_slot) or len(every_slot) != self._fresh:
+        block_ids = list(self._block_id_of.values())
+        quarantined = [block_id for held in self._abandoned.values() for block_id in held]
+        every_block_id = block_ids + self._freed + quarantined
+        if len(set(every_block_id)) != len(every_block_id) or len(every_block_id) != self._fresh:
             problems.append(
-                f"resident block ids {slots}, freed {self._freed} and quarantined "
+                f"resident block ids {block_ids}, freed {self._freed} and quarantined "
                 f"{quarantined} overlap or leak"
             )
-        if any(not 0 <= slot < self._fresh <= self._num_blocks for slot in every_slot):
+        if any(not 0 <= block_id < self._fresh <= self._num_blocks for block_id in every_block_id):
             problems.append(f"a block id lies outside [0, {self._fresh}) or beyond the pool")
         freed = self._freed
         if any(freed[(child - 1) // 2] > freed[child] for child in range(1, len(freed))):
             problems.append(f"the free heap {freed} is out of order")
-        if any(key not in self._slot_of for key in self._storing):
+        if any(key not in self._block_id_of for key in self._storing):
             problems.append(f"pending keys {list(self._storing)} are not all resident")
-        ready = {slot for key, slot in self._slot_of.items() if key not in self._storing}
-        stray = [slot for slot, count in enumerate(self._refs) if count and slot not in ready]
+        ready = {
+            block_id for key, block_id in self._block_id_of.items() if key not in self._storing
+        }
+        stray = [
+            block_id for block_id, count in enumerate(self._refs) if count and block_id not in ready
+        ]
         if stray:
             problems.append(f"block ids {stray} have refs but hold no ready block")
         if self._opened_at.keys() != self._open_plans.keys():
@@ -668,6 +672,6 @@ class OffloadManager:
         # A policy whose order misses or adds keys is reported by the spec, through the
         # abstraction; its own checks assume it holds exactly the resident keys.
         order = self._policy.resident()
-        if len(order) == len(self._slot_of) and set(order) == set(self._slot_of):
+        if len(order) == len(self._block_id_of) and set(order) == set(self._block_id_of):
             problems += self._policy.check_invariants(self._is_evictable)
         return problems

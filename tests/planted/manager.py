@@ -63,9 +63,9 @@ class CounterNotRestoredOnLoad(OffloadManager):
     """complete_load makes the block evictable but forgets the counter (LMCache #987)."""
 
     def _unpin(self, key: Key) -> None:
-        slot = self._slot_of[key]
-        self._refs[slot] -= 1
-        if not self._refs[slot]:
+        block_id = self._block_id_of[key]
+        self._refs[block_id] -= 1
+        if not self._refs[block_id]:
             self._policy.mark_evictable(key)
 
 
@@ -73,12 +73,12 @@ class NestedLoadsShareOnePin(OffloadManager):
     """Refs as a flag, not a count: the first of two loads of a block to finish unpins it."""
 
     def _pin(self, key: Key) -> int:
-        slot = self._slot_of[key]
-        if not self._refs[slot]:
+        block_id = self._block_id_of[key]
+        if not self._refs[block_id]:
             self._policy.mark_unevictable(key)
             self._num_evictable -= 1
-        self._refs[slot] = 1
-        return slot
+        self._refs[block_id] = 1
+        return block_id
 
 
 class StaleLoadCompletionApplied(OffloadManager):
@@ -87,7 +87,7 @@ class StaleLoadCompletionApplied(OffloadManager):
     def complete_load(self, plan: LoadPlan) -> None:
         plan = self._close(plan, LoadPlan)
         for key in plan.keys:
-            if key in self._slot_of:  # the generation check forgotten
+            if key in self._block_id_of:  # the generation check forgotten
                 self._unpin(key)
 
 
@@ -172,13 +172,13 @@ class GivesUpOnProtected(MostRecentFirst):
 
 class AbandonFreesAtOnce(OffloadManager):
     """What a timeout that completes the store as failed does (vLLM #46019's first fix):
-    the slot is free at once, though the stalled job may still write it.
+    the block id is free at once, though the stalled job may still write it.
     """
 
     def abandon(self, plan: Plan) -> None:
         super().abandon(plan)
-        for slot in self._abandoned.pop(plan.plan_id):
-            self._freed.append(slot)
+        for block_id in self._abandoned.pop(plan.plan_id):
+            self._freed.append(block_id)
         self._abandoned[plan.plan_id] = ()
 
 
@@ -207,12 +207,12 @@ class LateLoadCompletionUnpinsAgain(OffloadManager):
         super().complete_load(plan)
         if late and plan.generation == self._generation:
             for key in plan.keys:
-                if key in self._slot_of:
+                if key in self._block_id_of:
                     self._unpin(key)
 
 
 class ResetFreesQuarantine(OffloadManager):
-    """A reset frees every slot, also those abandoned store jobs may still write."""
+    """A reset frees every block id, also those abandoned store jobs may still write."""
 
     def reset_cache(self) -> None:
         self._abandoned = dict.fromkeys(self._abandoned, ())

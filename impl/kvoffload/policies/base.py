@@ -1,6 +1,6 @@
 """The eviction-policy interface: an order over resident blocks, and the choice of victims.
 
-The manager owns the blocks, their slots, refs, counters, plans and events; a policy owns only
+The manager owns the blocks, their block ids, refs, counters, plans and events; a policy owns only
 an *order*. The manager tells the policy every change that matters to it: a key became
 resident (pending, so not evictable), became evictable (its store completed, or its last
 load finished), stopped being evictable (a load pinned it), left without being evicted (its
