@@ -51,9 +51,9 @@ def valkey_server() -> Iterator[ValkeyServer]:
         yield server
 
 
-# The docs' examples that run the conformance kit for seconds: the full gate, not the inner
-# loop (every other page's examples stay in it).
-SLOW_DOCS = ("conformance.md",)
+# The docs' examples that run for seconds (the conformance kit; the user guide's whole
+# walk-through): the full gate, not the inner loop (every other page's examples stay in it).
+SLOW_DOCS = ("conformance.md", "user_guide.md")
 
 
 # The gate's longest files, longest first: the sums of their tests' durations in a full run

@@ -67,6 +67,7 @@ def assert_positive_numbers(row: dict[str, object], *fields: str) -> list[float]
     return values
 
 
+@pytest.mark.slow  # the benchmark's quick run, ~8 s
 def test_the_json_printed_is_the_json_written(quick_run: tuple[dict[str, object], Path]) -> None:
     printed, out = quick_run
     assert json.loads(out.read_text(encoding="utf-8")) == printed
@@ -75,6 +76,7 @@ def test_the_json_printed_is_the_json_written(quick_run: tuple[dict[str, object]
     assert {"python", "implementation", "platform", "cpus"} <= machine.keys()
 
 
+@pytest.mark.slow  # the benchmark's quick run, ~8 s
 def test_fast_fail_compares_every_size_with_the_naive_manager(
     quick_run: tuple[dict[str, object], Path],
 ) -> None:
@@ -88,6 +90,7 @@ def test_fast_fail_compares_every_size_with_the_naive_manager(
     assert isinstance(summary["growth_met"], bool) and isinstance(summary["speedup_met"], bool)
 
 
+@pytest.mark.slow  # the benchmark's quick run, ~8 s
 def test_one_victim_covers_every_policy_and_pin_level(
     quick_run: tuple[dict[str, object], Path],
 ) -> None:
@@ -111,6 +114,7 @@ def test_one_victim_covers_every_policy_and_pin_level(
         assert isinstance(slow, dict) and set(slow) <= {"collection", "dict rebuild", "steady"}
 
 
+@pytest.mark.slow  # the benchmark's quick run, ~8 s
 def test_memory_and_replay_rows(quick_run: tuple[dict[str, object], Path]) -> None:
     result, _ = quick_run
     for row in rows(result, "memory"):
@@ -185,6 +189,7 @@ def test_the_vllm_comparison_says_why_it_measures_nothing_without_vllm() -> None
     assert done.stdout.startswith("vllm_compare: skipped: vLLM is not importable here"), done.stdout
 
 
+@pytest.mark.slow  # a benchmark run against its own server, ~7 s
 def test_the_remote_benchmark_starts_its_server_and_writes_what_it_prints(
     tmp_path: Path,
 ) -> None:

@@ -43,6 +43,7 @@ def kvoffload(*argv: str, cwd: Path, timeout: float = 120) -> subprocess.Complet
 # -- policy modules of your own --------------------------------------------------------------
 
 
+@pytest.mark.slow  # a subprocess of the command, 4-5 s
 def test_the_installed_command_imports_a_policy_module_from_the_working_directory(
     tmp_path: Path,
 ) -> None:
@@ -136,6 +137,7 @@ def test_the_user_guide_quotes_the_example_file_verbatim() -> None:
         assert block.split("```")[0].strip() in source
 
 
+@pytest.mark.slow  # a subprocess of the command, 4-5 s
 def test_the_python_dash_m_spelling_still_finds_the_working_directory(tmp_path: Path) -> None:
     (tmp_path / "mine2.py").write_text(
         textwrap.dedent(
@@ -450,6 +452,7 @@ def test_the_readme_verify_command_runs_as_written() -> None:
 # -- the gate's long steps say what they are doing -------------------------------------------
 
 
+@pytest.mark.slow  # a subprocess of the command, 4-5 s
 def test_progress_reaches_the_terminal_while_pytest_captures_output(tmp_path: Path) -> None:
     (tmp_path / "test_long.py").write_text(
         textwrap.dedent(

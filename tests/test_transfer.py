@@ -478,6 +478,7 @@ def test_engine_arguments_are_checked() -> None:
 # -- the benchmark -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a benchmark run, ~7 s
 def test_the_benchmark_prints_the_agreed_json(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
