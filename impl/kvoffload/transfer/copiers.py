@@ -24,7 +24,7 @@ import numpy.typing as npt
 from kvoffload.transfer.jobs import Direction, FaultHook, Job
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool
-from kvoffload.transfer.runs import CopyRuns, expand_runs
+from kvoffload.transfer.runs import CopyRuns, IdArray, expand_runs
 
 if TYPE_CHECKING:
     import torch
@@ -103,17 +103,9 @@ class RowCopier:
     """
 
     def __init__(self, layout: KVLayout, pool: CpuBlockPool) -> None:
-        segments = layout.segments
         self.unit = row_unit(layout, pool)
-        storages = [layout.storages[s.tensor_index] for s in segments]
-        distinct: dict[int, int] = {}
-        for storage in storages:
-            distinct.setdefault(storage.data_ptr(), len(distinct))
-        self._storage_of_segment = np.array(
-            [distinct[s.data_ptr()] for s in storages], dtype=np.int64
-        )
-        by_pointer = {s.data_ptr(): s for s in storages}
-        self._rows = [_void_rows(by_pointer[pointer], self.unit) for pointer in distinct]
+        self._storage_of_segment, distinct = distinct_storages(layout)
+        self._rows = [_void_rows(storage, self.unit) for storage in distinct]
         self._pool = _void_rows(pool.flat, self.unit)
 
     def copy(self, job: Job, hook: FaultHook | None) -> None:
@@ -163,6 +155,18 @@ def row_unit(layout: KVLayout, pool: CpuBlockPool) -> int:
     return math.gcd(
         *(value for s in segments for value in (s.base, s.stride, s.nbytes)), pool.block_bytes
     )
+
+
+def distinct_storages(layout: KVLayout) -> tuple[IdArray, list[torch.Tensor]]:
+    """The distinct storages under ``layout``'s segments, and for each segment the index of
+    its own among them: several segments (a layer's K and V, layers as views) may share one."""
+    storages = [layout.storages[segment.tensor_index] for segment in layout.segments]
+    distinct: dict[int, torch.Tensor] = {}
+    for storage in storages:
+        distinct.setdefault(storage.data_ptr(), storage)
+    place = {pointer: index for index, pointer in enumerate(distinct)}
+    of_segment = np.array([place[storage.data_ptr()] for storage in storages], dtype=np.int64)
+    return of_segment, list(distinct.values())
 
 
 def _void_rows(flat: torch.Tensor, unit: int) -> npt.NDArray[Any]:

@@ -20,12 +20,11 @@ on that stream, so it is not reused before the job's copies are done.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvoffload.transfer.copiers import Copier
+from kvoffload.transfer.copiers import Copier, distinct_storages, row_unit
 from kvoffload.transfer.jobs import Direction, FaultHook, Job
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool
@@ -43,22 +42,12 @@ class GatherCopier:
     """Copies a job's runs through one contiguous staging buffer (module docstring)."""
 
     def __init__(self, layout: KVLayout, pool: CpuBlockPool) -> None:
-        segments = layout.segments
-        self.unit = math.gcd(
-            *(value for s in segments for value in (s.base, s.stride, s.nbytes)),
-            pool.block_bytes,
-        )
-        storages = [layout.storages[s.tensor_index] for s in segments]
-        distinct: dict[int, int] = {}
-        for storage in storages:
-            distinct.setdefault(storage.data_ptr(), len(distinct))
-        self._storage_of_segment = np.array(
-            [distinct[s.data_ptr()] for s in storages], dtype=np.int64
-        )
-        by_pointer = {s.data_ptr(): s for s in storages}
+        self.unit = row_unit(layout, pool)
+        self._storage_of_segment, distinct = distinct_storages(layout)
         # Kernels move one element per thread: 8-byte elements where every row allows them
-        wide = self.unit % 8 == 0 and all(p % 8 == 0 for p in (*distinct, pool.flat.data_ptr()))
-        self._rows = [_rows_of(by_pointer[pointer], self.unit, wide) for pointer in distinct]
+        pointers = (*(storage.data_ptr() for storage in distinct), pool.flat.data_ptr())
+        wide = self.unit % 8 == 0 and all(pointer % 8 == 0 for pointer in pointers)
+        self._rows = [_rows_of(storage, self.unit, wide) for storage in distinct]
         self._pool = _rows_of(pool.flat, self.unit, wide)
         self._device = layout.device
 
