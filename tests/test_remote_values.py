@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvoffload.tiers.values import (
     HEADER_BYTES,
+    TRAILER_BYTES,
     Namespace,
     Rejection,
     encode_key,
@@ -30,7 +31,7 @@ keys = st.recursive(atoms, lambda inner: st.tuples(inner, inner) | st.tuples(inn
 def test_a_framed_value_reads_back_exactly(key: Hashable, payload: bytes) -> None:
     encoded = encode_key(key)
     value = frame(NAMESPACE, encoded, memoryview(payload))
-    assert len(value) == HEADER_BYTES + len(encoded) + len(payload)
+    assert len(value) == HEADER_BYTES + len(encoded) + len(payload) + TRAILER_BYTES
     found = payload_of(NAMESPACE, encoded, value)
     assert isinstance(found, memoryview) and found.tobytes() == payload
     assert payload_of(OTHER, encoded, value) is Rejection.FOREIGN
