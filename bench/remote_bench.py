@@ -1,16 +1,15 @@
 """Throughput of the remote tier (``ValkeyStore``) next to the plain client doing the same work.
 
-Both sides send the same batches to the same server in one run: ``put`` is one ``MSET`` of
-the batch (the client's ``mset``), ``get`` one ``MGET`` (the client's ``mget``). The store
-adds what makes a value safe to share: a 32-byte header plus the key and an 8-byte checksum
-trailer per value, the checksum computed on put and checked on get, the namespace. Each
-sample runs both sides, one right after the other (which goes first alternates); the GB/s
-figures are the medians of the samples, the ratio is the median of the samples' own ratios:
-the two runs of a sample share the machine's state of the moment (on a shared machine a
-neighbour's burst hits both alike), so that ratio is steadier than a ratio of medians. Read
-the ratio column. Next to it, the median thread CPU time of one call on each side (this
-process only, not the server's): what the store's own work costs, whatever the machine's
-load.
+Both sides send the same batches to the same server in one run: ``put`` is one ``MSET`` of the
+batch (the client's ``mset``), ``get`` one ``MGET`` (the client's ``mget``). The store adds
+what makes a value safe to share: a 40-byte header plus the key per value, a checksum
+computed on put and checked on get, the namespace. Each sample runs both sides, one right
+after the other (which goes first alternates); the GB/s figures are the medians of the
+samples, the ratio is the median of the samples' own ratios: the two runs of a sample share
+the machine's state of the moment (on a shared machine a neighbour's burst hits both
+alike), so that ratio is steadier than a ratio of medians. Read the ratio column. Next to
+it, the median thread CPU time of one call on each side (this process only, not the
+server's): what the store's own work costs, whatever the machine's load.
 
 Also measured: the bytes each side allocates per payload byte (tracemalloc: a put that
 copies the payload allocates >= 1 per byte; the store's puts send the caller's buffers), and

@@ -7,7 +7,6 @@ fixture); corrupt values are planted with the plain client, under the store's ow
 
 from __future__ import annotations
 
-import struct
 import tracemalloc
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -15,11 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 import valkey
-import xxhash
 
 from kvoffload.tiers import Namespace, RemoteStore, StoreClosedError, ValkeyStore
 from kvoffload.tiers import valkey_store as valkey_store_module
-from kvoffload.tiers.values import HEADER_BYTES, TRAILER_BYTES, encode_key, frame
+from kvoffload.tiers.values import HEADER_BYTES, encode_key, frame
 from kvoffload_spec.errors import InvalidArgumentError, OffloadError
 from tests.remote_support import LAYOUT, assert_accounted, blocks
 from tests.valkey_server import ValkeyServer
@@ -165,23 +163,12 @@ def test_a_namespace_is_its_description_whatever_the_order() -> None:
 # -- refused values ------------------------------------------------------------------------
 
 
-def version_1_value(namespace: Namespace, encoded_key: bytes, payload: bytes) -> bytes:
-    """A value as format version 1 wrote it, valid in its own terms: its checksum in the
-    header, before the key (what a server still holds from an engine of that version)."""
-    fixed = struct.pack(
-        "<4s16sIQ", b"KVO\x01", namespace.fingerprint, len(encoded_key), len(payload)
-    )
-    checksum = xxhash.xxh3_64_intdigest(payload, xxhash.xxh3_64_intdigest(fixed + encoded_key))
-    return fixed + struct.pack("<Q", checksum) + encoded_key + payload
-
-
 def corruptions(
     store: ValkeyStore, other_namespace: ValkeyStore
 ) -> dict[str, tuple[Callable[[bytes], bytes], str]]:
     """name -> (how the stored value of key 0 is rewritten, the counter that must count it)"""
     payload_of_key_1 = frame(store.namespace, encode_key(1), memoryview(b"y" * 4096))
     foreign = frame(other_namespace.namespace, encode_key(0), memoryview(b"x" * 4096))
-    old_format = version_1_value(store.namespace, encode_key(0), b"x" * 4096)
 
     def flip(offset: int) -> Callable[[bytes], bytes]:
         def flipped(value: bytes) -> bytes:
@@ -191,17 +178,12 @@ def corruptions(
         return flipped
 
     return {
-        "last payload byte flipped": (flip(-TRAILER_BYTES - 1), "rejected_checksum"),
+        "payload byte flipped": (flip(-1), "rejected_checksum"),
         "first payload byte flipped": (
             flip(HEADER_BYTES + len(encode_key(0))),
             "rejected_checksum",
         ),
-        "checksum flipped": (flip(-1), "rejected_checksum"),
-        "trailer damaged": (
-            lambda value: value[:-TRAILER_BYTES] + bytes(TRAILER_BYTES),
-            "rejected_checksum",
-        ),
-        "trailer missing": (lambda value: value[:-TRAILER_BYTES], "rejected_length"),
+        "checksum flipped": (flip(35), "rejected_checksum"),
         "length field changed": (flip(24), "rejected_length"),
         "truncated by one byte": (lambda value: value[:-1], "rejected_length"),
         "truncated to half": (lambda value: value[: len(value) // 2], "rejected_length"),
@@ -214,7 +196,6 @@ def corruptions(
         "key field flipped": (flip(HEADER_BYTES), "rejected_wrong_key"),
         "another namespace's value": (lambda value: foreign, "rejected_foreign"),
         "another format version": (flip(3), "rejected_foreign"),
-        "old format version": (lambda value: old_format, "rejected_foreign"),
         "shorter than a header": (lambda value: value[:10], "rejected_malformed"),
         "empty": (lambda value: b"", "rejected_malformed"),
         "plain bytes": (lambda value: b"x" * 4096, "rejected_foreign"),

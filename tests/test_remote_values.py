@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from kvoffload.tiers.values import (
     HEADER_BYTES,
-    TRAILER_BYTES,
     Namespace,
     Rejection,
     encode_key,
@@ -31,7 +30,7 @@ keys = st.recursive(atoms, lambda inner: st.tuples(inner, inner) | st.tuples(inn
 def test_a_framed_value_reads_back_exactly(key: Hashable, payload: bytes) -> None:
     encoded = encode_key(key)
     value = frame(NAMESPACE, encoded, memoryview(payload))
-    assert len(value) == HEADER_BYTES + len(encoded) + len(payload) + TRAILER_BYTES
+    assert len(value) == HEADER_BYTES + len(encoded) + len(payload)
     found = payload_of(NAMESPACE, encoded, value)
     assert isinstance(found, memoryview) and found.tobytes() == payload
     assert payload_of(OTHER, encoded, value) is Rejection.FOREIGN

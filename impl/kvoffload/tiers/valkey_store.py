@@ -4,9 +4,9 @@ One connection, one batch per round trip: ``get`` is one ``MGET``, ``put`` one `
 64 MiB of values (all sent before any reply is read), ``contains`` and ``delete`` pipeline
 one ``EXISTS`` / ``UNLINK`` per key. The client library (``valkey``, which speaks to Redis
 servers too) parses the URL, connects and parses replies; the commands are packed and sent
-here, so that a value goes out as its small header, the caller's own buffer (a put copies no
-payload byte) and its checksum trailer, many buffers to one ``sendmsg``, a large payload
-hashed right after the socket has taken it.
+here, so that a value goes out as its small header followed by the caller's own buffer (a
+put copies no payload byte), many buffers to one ``sendmsg``, each header made just before
+its payload is handed to the socket.
 
 Failures never escape (see :mod:`kvoffload.tiers.store`): a timeout, a refused or reset
 connection or an error reply makes the call's keys misses (or writes not stored), is counted,
@@ -35,16 +35,7 @@ from valkey.connection import parse_url
 from kvoffload_spec.errors import InvalidArgumentError
 
 from .store import Payload, RemoteStats, StoreClosedError, WritableBuffer
-from .values import (
-    TRAILER_BYTES,
-    Namespace,
-    Rejection,
-    as_payload,
-    encode_key,
-    header,
-    payload_of,
-    trailer,
-)
+from .values import Namespace, Rejection, as_payload, encode_key, header, payload_of
 
 # A command as the successive sends that make it (called again to send it again).
 _Sends = Callable[[], Iterable[Sequence[bytes | memoryview]]]
@@ -78,8 +69,6 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 _SEND_EVERY = 1024 * 1024
 # Below this, pieces of a command are joined into one buffer (one send, not many).
 _JOIN_BELOW = 16 * 1024
-# From this size up, a payload is hashed after it was sent (its trailer goes in the next send).
-_HASH_AFTER_SEND = 256 * 1024
 
 
 class ValkeyStore:
@@ -343,14 +332,12 @@ class ValkeyStore:
     def _mset_sends(
         self, keys: list[bytes], payloads: list[memoryview], spans: list[tuple[int, int]]
     ) -> Iterator[list[bytes | memoryview]]:
-        """One ``MSET`` per span, each value going out as header, the caller's buffer (no
-        copy), then the checksum trailer, handed to the socket every ``_SEND_EVERY`` payload
-        bytes.
+        """One ``MSET`` per span, its values going out as header, then the caller's buffer
+        (no copy), handed to the socket every ``_SEND_EVERY`` payload bytes.
 
-        A large payload is sent before it is hashed: its send ends with its own buffer, and
-        its trailer leads the next send. The kernel has just read it, so the hash reads it
-        from the cache, not from memory, while the server reads what was sent. Smaller ones
-        are hashed as they are queued (their trailers sit between them in one send).
+        A header holds the payload's checksum, so it is made just before its payload is
+        sent: while the server reads what was handed over, the next headers are made. Made
+        all first, the hashing would be time the server waits (several percent of a put).
         """
         namespace = self._namespace
         prefix = len(namespace.key_prefix)
@@ -360,22 +347,16 @@ class ValkeyStore:
             pending = 0
             for key, payload in zip(keys[start:stop], payloads[start:stop], strict=True):
                 head = header(namespace, key[prefix:], payload)
-                size = len(head) + payload.nbytes + TRAILER_BYTES
+                size = len(head) + payload.nbytes
                 if payload.nbytes < _JOIN_BELOW:
                     pieces.append(
-                        b"$%d\r\n%s\r\n$%d\r\n%s%s%s\r\n"
-                        % (len(key), key, size, head, payload, trailer(head, payload))
+                        b"$%d\r\n%s\r\n$%d\r\n%s%s\r\n" % (len(key), key, size, head, payload)
                     )
                     continue
                 pieces.append(b"$%d\r\n%s\r\n$%d\r\n%s" % (len(key), key, size, head))
                 chunks.append(b"".join(pieces))
                 chunks.append(payload)
-                if payload.nbytes >= _HASH_AFTER_SEND:
-                    yield chunks
-                    chunks, pending = [], 0
-                    pieces = [trailer(head, payload) + b"\r\n"]
-                    continue
-                pieces = [trailer(head, payload) + b"\r\n"]
+                pieces = [b"\r\n"]
                 pending += payload.nbytes
                 if pending >= _SEND_EVERY:
                     yield chunks

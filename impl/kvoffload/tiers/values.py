@@ -4,22 +4,15 @@ A remote server is shared and adversarial: other engines write to it, it evicts 
 it restarts empty, a bug elsewhere can write anything under any key. So every value carries
 what is needed to refuse it unless it is exactly what this engine stored under this key:
 
-    offset      size  field
-    0           4     magic b"KVO\\x02" (format and its version)
-    4           16    namespace fingerprint (model + KV layout, :class:`Namespace`)
-    20          4     encoded key length K, unsigned little-endian
-    24          8     payload length N, unsigned little-endian
-    32          K     the encoded block key
-    32 + K      N     the payload (the block's bytes)
-    32 + K + N  8     checksum: XXH3-64 of the payload, seeded with the XXH3-64 of bytes
-                      0-31 and the key (so it covers all three), unsigned little-endian
-
-The checksum is a trailer, after the payload, so that a put can send the header and the
-payload first and hash the payload right after the kernel has copied it out (while it is
-still in the cache, and while the server reads it), then send the 8 trailer bytes. As a
-header field it had to be computed before its payload went out: the hash read every large
-payload cold from memory while the server waited. Version 1 (the checksum at offset 32,
-before the key) is refused like any other foreign format.
+    offset  size  field
+    0       4     magic b"KVO\\x01" (format and its version)
+    4       16    namespace fingerprint (model + KV layout, :class:`Namespace`)
+    20      4     encoded key length K, unsigned little-endian
+    24      8     payload length N, unsigned little-endian
+    32      8     checksum: XXH3-64 of the payload, seeded with the XXH3-64 of bytes 0-31
+                  and the key (so it covers all three)
+    40      K     the encoded block key
+    40 + K  N     the payload (the block's bytes)
 
 A value is accepted only if every field matches: the magic, this namespace's fingerprint,
 this very key, a payload of exactly N bytes (so a truncated or over-long value is refused)
@@ -45,11 +38,10 @@ import xxhash
 
 from kvoffload_spec.errors import InvalidArgumentError
 
-MAGIC = b"KVO\x02"
+MAGIC = b"KVO\x01"
 _FIXED = struct.Struct("<4s16sIQ")  # magic, fingerprint, key length, payload length
 _CHECKSUM = struct.Struct("<Q")
-HEADER_BYTES = _FIXED.size  # 32, before the key
-TRAILER_BYTES = _CHECKSUM.size  # 8, after the payload
+HEADER_BYTES = _FIXED.size + _CHECKSUM.size  # 40, before the key
 FINGERPRINT_BYTES = 16
 # Keys are block hashes in practice (32 bytes in vLLM); a bound keeps headers small.
 MAX_KEY_BYTES = 4096
@@ -157,26 +149,20 @@ def _encode(key: object, depth: int) -> bytes:
 
 
 def header(namespace: Namespace, encoded_key: bytes, payload: memoryview) -> bytes:
-    """The bytes that precede ``payload`` in the stored value: nothing in them depends on
-    the payload's bytes, only on its length."""
-    return _FIXED.pack(MAGIC, namespace.fingerprint, len(encoded_key), payload.nbytes) + encoded_key
+    """The bytes that precede ``payload`` in the stored value (the payload is not copied)."""
+    fixed = _FIXED.pack(MAGIC, namespace.fingerprint, len(encoded_key), payload.nbytes)
+    return fixed + _CHECKSUM.pack(_checksum(fixed, encoded_key, payload)) + encoded_key
 
 
-def trailer(head: bytes, payload: memoryview) -> bytes:
-    """The bytes that follow ``payload`` in the stored value whose header is ``head``."""
-    return _CHECKSUM.pack(_checksum(head, payload))
-
-
-def _checksum(head: bytes | memoryview, payload: memoryview) -> int:
+def _checksum(fixed: bytes | memoryview, encoded_key: bytes, payload: memoryview) -> int:
     # One-shot calls: a hasher object and its updates cost more than hashing 64 KiB.
-    return xxhash.xxh3_64_intdigest(payload, xxhash.xxh3_64_intdigest(head))
+    return xxhash.xxh3_64_intdigest(payload, xxhash.xxh3_64_intdigest(bytes(fixed) + encoded_key))
 
 
 def frame(namespace: Namespace, encoded_key: bytes, payload: memoryview) -> bytes:
-    """The whole stored value in one buffer (a copy: the stores send header, payload and
-    trailer separately instead; this is for tests and tools)."""
-    head = header(namespace, encoded_key, payload)
-    return head + payload.tobytes() + trailer(head, payload)
+    """The whole stored value in one buffer (a copy: the stores send header and payload
+    separately instead; this is for tests and tools)."""
+    return header(namespace, encoded_key, payload) + payload.tobytes()
 
 
 def payload_of(namespace: Namespace, encoded_key: bytes, value: object) -> memoryview | Rejection:
@@ -193,12 +179,11 @@ def payload_of(namespace: Namespace, encoded_key: bytes, value: object) -> memor
     start = HEADER_BYTES + key_length
     if key_length != len(encoded_key) or view[HEADER_BYTES:start] != encoded_key:
         return Rejection.WRONG_KEY
-    end = start + payload_length
-    if view.nbytes - TRAILER_BYTES != end:
+    if view.nbytes - start != payload_length:
         return Rejection.LENGTH
-    payload = view[start:end]
-    (stored,) = _CHECKSUM.unpack_from(view, end)
-    if _checksum(view[:start], payload) != stored:
+    payload = view[start:]
+    (stored,) = _CHECKSUM.unpack_from(view, _FIXED.size)
+    if _checksum(view[: _FIXED.size], encoded_key, payload) != stored:
         return Rejection.CHECKSUM
     return payload
 
@@ -216,7 +201,7 @@ def as_payload(value: object, what: str) -> memoryview:
     if not view.c_contiguous:
         raise InvalidArgumentError(f"{what} must be C-contiguous")
     flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    if flat.nbytes + HEADER_BYTES + MAX_KEY_BYTES + TRAILER_BYTES > MAX_VALUE_BYTES:
+    if flat.nbytes + HEADER_BYTES + MAX_KEY_BYTES > MAX_VALUE_BYTES:
         raise InvalidArgumentError(
             f"{what} holds {flat.nbytes} bytes; a value must stay under {MAX_VALUE_BYTES}"
         )
