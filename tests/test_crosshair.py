@@ -10,8 +10,8 @@ spec/kvoffload_spec/contracts.py), two at a time. Three kinds of run:
   "Not confirmed" with exit status 0, a silent vacuous pass;
 - its share of the catalogue of planted bugs (tests/planted/): CrossHair must find each.
 
-Any "Unable to meet precondition" line fails the gate too. The whole module takes about a
-minute on two cores; each target's verdict is shown on the terminal as it comes in.
+Any "Unable to meet precondition" line fails the gate too. The whole module takes 3-5
+minutes on two cores; each target's verdict is shown on the terminal as it comes in.
 """
 
 from __future__ import annotations
