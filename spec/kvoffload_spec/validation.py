@@ -6,6 +6,7 @@ so a public method runs all of its checks first and only then touches any state.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Container, Mapping, Sequence
 from typing import NoReturn
 
@@ -100,18 +101,11 @@ def check_abandonable(
     abandoned: Container[int],
 ) -> StorePlan | LoadPlan:
     """``plan`` must be an open plan of this manager, of either kind, not abandoned yet."""
-    if not isinstance(plan, (StorePlan, LoadPlan)):
-        raise ForeignPlanError(f"expected a StorePlan or LoadPlan, got {type(plan).__name__}")
-    checked: StorePlan | LoadPlan
-    if isinstance(plan, StorePlan):
-        checked = check_open_plan(
-            plan, StorePlan, owner=owner, open_plans=open_plans, issued=issued
-        )
-    else:
-        checked = check_open_plan(plan, LoadPlan, owner=owner, open_plans=open_plans, issued=issued)
+    checked = _a_plan(plan)
+    _check_open(checked, owner=owner, open_plans=open_plans, issued=issued)
     if checked.plan_id in abandoned:
         raise PlanAlreadyAbandonedError(
-            f"{type(plan).__name__} {plan.plan_id} was abandoned already: complete it once "
+            f"{type(checked).__name__} {checked.plan_id} was abandoned already: complete it once "
             "its job reports"
         )
     return checked
@@ -127,12 +121,24 @@ def check_issued_plan(
     """``plan`` must be a plan of either kind this manager issued, open or completed; an
     open one must be the very plan issued (a closed one cannot be told from a forgery of
     it: no record of it is kept)."""
+    checked = _a_plan(plan)
+    # Issued and completed is fine: no record of it is kept to compare it with.
+    with contextlib.suppress(PlanAlreadyCompletedError):
+        _check_open(checked, owner=owner, open_plans=open_plans, issued=issued)
+    return checked
+
+
+def _check_open(
+    plan: Plan, *, owner: int, open_plans: Mapping[int, StorePlan | LoadPlan], issued: int
+) -> None:
+    """:func:`check_open_plan` of a plan of either kind, as its own kind."""
+    if isinstance(plan, StorePlan):
+        check_open_plan(plan, StorePlan, owner=owner, open_plans=open_plans, issued=issued)
+    else:
+        check_open_plan(plan, LoadPlan, owner=owner, open_plans=open_plans, issued=issued)
+
+
+def _a_plan(plan: object) -> Plan:
     if not isinstance(plan, (StorePlan, LoadPlan)):
         raise ForeignPlanError(f"expected a StorePlan or LoadPlan, got {type(plan).__name__}")
-    kind = type(plan).__name__
-    if plan.owner != owner:
-        raise ForeignPlanError(f"{kind} {plan.plan_id} was issued by another manager")
-    found = open_plans.get(plan.plan_id)
-    if not 0 <= plan.plan_id < issued or (found is not None and found != plan):
-        raise ForeignPlanError(f"{kind} {plan.plan_id} was not issued like this")
     return plan
