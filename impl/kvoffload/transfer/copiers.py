@@ -112,9 +112,7 @@ class RowCopier:
         runs = job.runs
         if not len(runs):
             return
-        if hook is not None:  # nothing is copied run by run: a fault fails the job up front
-            for index in range(len(runs)):
-                hook(job.job_id, index)
+        fault_up_front(job, hook)
         unit = self.unit
         device_row, cpu_row = runs.device_offset // unit, runs.cpu_offset // unit
         storage = self._storage_of_segment[runs.segment]
@@ -147,6 +145,14 @@ class RowCopier:
             self._pool[cpu_row] = rows[device_row]
         else:
             rows[device_row] = self._pool[cpu_row]
+
+
+def fault_up_front(job: Job, hook: FaultHook | None) -> None:
+    """Ask ``hook`` about every run of ``job`` before any byte moves: for the copiers that
+    move a job in a few batched calls, not run by run, a fault fails the job up front."""
+    if hook is not None:
+        for index in range(len(job.runs)):
+            hook(job.job_id, index)
 
 
 def row_unit(layout: KVLayout, pool: CpuBlockPool) -> int:

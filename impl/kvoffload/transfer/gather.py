@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvoffload.transfer.copiers import Copier, distinct_storages, row_unit
+from kvoffload.transfer.copiers import Copier, distinct_storages, fault_up_front, row_unit
 from kvoffload.transfer.jobs import Direction, FaultHook, Job
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool
@@ -55,9 +55,7 @@ class GatherCopier:
         runs = job.runs
         if not len(runs):
             return
-        if hook is not None:  # nothing is copied run by run: a fault fails the job up front
-            for index in range(len(runs)):
-                hook(job.job_id, index)
+        fault_up_front(job, hook)
         move_through_staging(
             runs,
             self._storage_of_segment,
