@@ -182,9 +182,8 @@ class KvoffloadValkeyTier(SecondaryTierManager):
             self._store, max_pending=max_pending_jobs, name=f"kvoffload-vllm-{tier_type}"
         )
         self._probe = _ExistenceProbe(self._lookup_store, tier_type)
-        # our job -> (vLLM's job id, whether it is a load)
-        self._jobs: dict[int, tuple[int, bool]] = {}
-        self._in_flight: dict[int, RemoteJob] = {}
+        # our job id -> (the job, vLLM's job id, whether it is a load)
+        self._in_flight: dict[int, tuple[RemoteJob, int, bool]] = {}
         self._failed_now: list[JobResult] = []  # jobs refused before they were submitted
         self._counts = {
             "stores_submitted": 0,
@@ -239,14 +238,12 @@ class KvoffloadValkeyTier(SecondaryTierManager):
         except InvalidArgumentError:  # closed (shut down) or a key no store can hold
             self._failed_now.append(JobResult(job_id=job_metadata.job_id, success=False))
             return
-        self._jobs[job.job_id] = (job_metadata.job_id, load)
-        self._in_flight[job.job_id] = job
+        self._in_flight[job.job_id] = (job, job_metadata.job_id, load)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results, self._failed_now = self._failed_now, []
         for job in self._transfers.poll():
-            job_id, load = self._jobs.pop(job.job_id)
-            del self._in_flight[job.job_id]
+            _, job_id, load = self._in_flight.pop(job.job_id)
             done = job.result
             nbytes = self.block_size_bytes * sum(done)
             if all(done):
@@ -279,7 +276,7 @@ class KvoffloadValkeyTier(SecondaryTierManager):
     def drain_jobs(self) -> None:
         """Wait for every submitted transfer: each one ends (the store's timeout bounds
         every socket operation), and none is cut short mid-copy."""
-        for job in list(self._in_flight.values()):
+        for job, _, _ in list(self._in_flight.values()):
             job.wait()
 
     def shutdown(self) -> None:
