@@ -116,9 +116,7 @@ class _Uses:
         """``key`` left (evicted, and not evictable any more): it goes to the history."""
         del self.stamps[key]
         if self.limit:
-            self.history.append(key)
-            if len(self.history) > self.limit:
-                self.history.pop_oldest()
+            self.history.append_within(key, self.limit)
 
     def drop(self, key: Key) -> None:
         """``key`` left without a use worth remembering (its store failed)."""
