@@ -17,7 +17,7 @@ import torch
 from kvoffload import Offloader, OffloadManager
 from kvoffload_spec.surface import Lookup
 from tests.planted import ABANDONED_FETCH, Planted, share
-from tests.remote_support import SCRATCH, Engine, content, make_store
+from tests.remote_support import Engine, content, make_store
 from tests.valkey_server import ValkeyServer
 
 
@@ -35,20 +35,6 @@ def store(engine: Engine, key: int) -> None:
     plan = engine.offloader.store([key], [0])
     assert plan is not None and engine.offloader.wait([plan], timeout=30)
     engine.reported += engine.offloader.poll()
-
-
-def wrong_bytes(engine: Engine, keys: list[int]) -> list[int]:
-    """The ready keys of ``keys`` whose loaded bytes are not their own."""
-    wrong = []
-    for key in keys:
-        if engine.offloader.lookup(key) is not Lookup.HIT:
-            continue
-        engine.cache[SCRATCH].zero_()
-        engine.offloader.load([key], [SCRATCH])
-        engine.settle()
-        if bytes(engine.cache[SCRATCH].numpy()) != content(key):
-            wrong.append(key)
-    return wrong
 
 
 def abandon_a_stalled_fetch_then_reuse_the_pool(
@@ -71,7 +57,7 @@ def abandon_a_stalled_fetch_then_reuse_the_pool(
     finally:
         server.resume()
     engine.settle()  # the late reply is written where the fetch's block id was
-    return wrong_bytes(engine, [1, 2, 5])
+    return engine.load_ready([1, 2, 5])[1]  # the keys that loaded wrong bytes
 
 
 def test_an_abandoned_fetch_never_overwrites_a_key(
