@@ -10,7 +10,6 @@ device blocks once the connector loaded them.
 from __future__ import annotations
 
 import copy
-import pathlib
 from typing import Any
 
 import pytest
@@ -20,12 +19,6 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is a test requirement: requirement
 import torch
 from vllm import SamplingParams
 from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
     set_current_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -47,8 +40,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvoffload.integrations.vllm import KvoffloadManager
+from tests.vllm_support import cpu_engine_config
 
-MODEL_DIR = pathlib.Path(__file__).parent / "engine_model"
 BLOCK_SIZE = 16
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 HEADS, HEAD_SIZE = 2, 16
@@ -69,26 +62,7 @@ class Engine:
             "cpu_bytes_to_use": 64 * 2**20,
             "eviction_policy": policy,
         }
-        model = ModelConfig(
-            model=str(MODEL_DIR), skip_tokenizer_init=True, dtype="float32", max_model_len=1024
-        )
-        self.config = VllmConfig(
-            model_config=model,
-            cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=1024,
-                max_num_seqs=8,
-                max_model_len=1024,
-                is_encoder_decoder=False,
-                async_scheduling=False,
-            ),
-            device_config=DeviceConfig("cpu"),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="OffloadingConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config=extra,
-            ),
-        )
+        self.config = cpu_engine_config(BLOCK_SIZE, extra)
         spec = FullAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32
         )

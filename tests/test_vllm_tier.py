@@ -13,7 +13,6 @@ tier's chunks where vLLM's worker would. Two managers are two engines sharing on
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import random
 import time
 import uuid
@@ -27,11 +26,6 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is a test requirement: requirement
 import torch
 import valkey
 from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
     VllmConfig,
     set_current_vllm_config,
 )
@@ -54,8 +48,8 @@ from kvoffload.integrations.vllm_tier import KvoffloadValkeyTier, namespace_of
 from kvoffload.tiers.values import HEADER_BYTES, encode_key
 from kvoffload_spec.errors import InvalidArgumentError
 from tests.valkey_server import ValkeyServer, free_port
+from tests.vllm_support import cpu_engine_config
 
-MODEL_DIR = pathlib.Path(__file__).parent / "engine_model"
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 BLOCK_TOKENS, HEADS, HEAD_SIZE = 16, 2, 16
 TIER = {"type": "KvoffloadValkeyTier", "module_path": "kvoffload.integrations.vllm_tier"}
@@ -66,28 +60,12 @@ DEADLINE_S = 30.0
 def vllm_config() -> VllmConfig:
     """One engine configuration (the slow part to build); each manager gets its own
     engine id and tier settings from it."""
-    model = ModelConfig(
-        model=str(MODEL_DIR), skip_tokenizer_init=True, dtype="float32", max_model_len=1024
-    )
-    return VllmConfig(
-        model_config=model,
-        cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=1024,
-            max_num_seqs=8,
-            max_model_len=1024,
-            is_encoder_decoder=False,
-            async_scheduling=False,
-        ),
-        device_config=DeviceConfig("cpu"),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "spec_name": "TieringOffloadingSpec",
-                "cpu_bytes_to_use": 1 << 20,  # 128 chunks of 8 KiB
-            },
-        ),
+    return cpu_engine_config(
+        BLOCK_TOKENS,
+        {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": 1 << 20,  # 128 chunks of 8 KiB
+        },
     )
 
 
