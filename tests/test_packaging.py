@@ -79,3 +79,18 @@ def test_no_test_module_imports_another() -> None:
         if re.match(r"\s*(from tests\.test_\w+ import|import tests\.test_)", line)
     ]
     assert offenders == []
+
+
+def test_a_missing_test_dependency_fails_the_gate() -> None:
+    """vLLM, SGLang and the Valkey server are test requirements: a test module that skips
+    itself when one is absent would turn a broken install into a green gate. Only the CUDA
+    tests may skip (the gate's machines have no GPU)."""
+    pattern = re.compile(r"importorskip|pytest\.skip\(|skipif\((?!not CUDA|CUDA)")
+    offenders = [
+        f"{path.name}:{number}: {line.strip()}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if path.name != Path(__file__).name
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert offenders == []

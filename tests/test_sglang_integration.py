@@ -11,9 +11,6 @@ does not install.
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("sglang", reason="SGLang is a test requirement: requirements-engines.txt")
-
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,

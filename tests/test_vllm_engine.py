@@ -13,9 +13,6 @@ import copy
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm", reason="vLLM 0.33 is a test requirement: requirements-engines.txt")
-
 import torch
 from vllm import SamplingParams
 from vllm.config import (

@@ -14,9 +14,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import pytest
-
-pytest.importorskip("vllm", reason="vLLM 0.33 is a test requirement: requirements-engines.txt")
-
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadingEvent,

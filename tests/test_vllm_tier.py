@@ -20,9 +20,6 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
-
-pytest.importorskip("vllm", reason="vLLM 0.33 is a test requirement: requirements-engines.txt")
-
 import torch
 import valkey
 from vllm.config import (
