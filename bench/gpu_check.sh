@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The data path's GPU checks (issue 4) in one run: at most ~10 minutes on one H200 (the step
+# The data path's GPU checks in one run: at most ~10 minutes on one H200 (the step
 # limits add up to 580 s), usually far less:
 #   1. the machine: GPU, torch, and whether pytest/hypothesis/numpy import;
 #   2. the data-path tests, CPU and CUDA variants (pytest, cuda-marked ones included);
