@@ -721,7 +721,7 @@ def test_layers_of_one_storage_take_the_span_path_one_call_per_pool_span() -> No
         calls.append(1)
         return take(*args, **kwargs)
 
-    np.take = counted  # type: ignore[assignment]
+    np.take = counted
     try:
         finish(engine, engine.submit_store([19, 3, 7, 0], [8, 1, 2, 5]))
     finally:
