@@ -25,7 +25,13 @@ from kvoffload.transfer import (
     TransferEngine,
 )
 from kvoffload.transfer import pool as pool_module
-from kvoffload.transfer.copiers import ROWS_BELOW, MemmoveCopier, RowCopier, SpanCopier
+from kvoffload.transfer.copiers import (
+    ROWS_BELOW,
+    SPAN_UNIT_AT_LEAST,
+    MemmoveCopier,
+    RowCopier,
+    SpanCopier,
+)
 from kvoffload.transfer.engine import CopierName
 from kvoffload.transfer.gather import ThresholdCopier
 from kvoffload.transfer.jobs import FaultHook, Job
@@ -678,7 +684,7 @@ def test_the_cpu_default_copies_small_runs_as_rows_and_large_ones_by_memmove() -
     assert isinstance(chooser, ThresholdCopier)
     assert isinstance(chooser.small, RowCopier) and chooser.small.unit == 4096
     # the separate layers' alignment to each other (the allocator's) picks the large path
-    wide = SpanCopier(engine.layout, engine.pool).usable
+    wide = SpanCopier(engine.layout, engine.pool, narrowest=SPAN_UNIT_AT_LEAST).usable
     assert isinstance(chooser.large, SpanCopier if wide else MemmoveCopier)
     assert chooser.below == ROWS_BELOW
     used: list[str] = []
@@ -713,7 +719,8 @@ def test_layers_of_one_storage_take_the_span_path_one_call_per_pool_span() -> No
     original = [layer.clone() for layer in layers]
     engine = TransferEngine(KVLayout(layers), CpuBlockPool(3 * 16384, 10))
     span = engine._backend._copier.large  # type: ignore[attr-defined]
-    assert isinstance(span, SpanCopier) and span.usable and span.unit == 16384
+    assert isinstance(span, SpanCopier) and span.gathers and span.scatters
+    assert span.unit == span.width == 16384
     taken: list[int] = []  # rows per numpy call (its span array's ``take`` method)
 
     class Counted:
@@ -724,11 +731,35 @@ def test_layers_of_one_storage_take_the_span_path_one_call_per_pool_span() -> No
             taken.append(len(indices))
             return self.rows.take(indices, *args)
 
-    rows = span._span
-    span._span = Counted(rows)  # type: ignore[assignment]
+    rows = span._rows
+    span._rows = Counted(rows)  # type: ignore[assignment]
     finish(engine, engine.submit_store([19, 3, 7, 0], [8, 1, 2, 5]))
-    span._span = rows
+    span._rows = rows
     assert taken == [6, 3, 3]  # CPU blocks 1 and 2 are one stretch of the pool, 5 and 8 two more
+    for layer in layers:
+        layer.zero_()
+    finish(engine, engine.submit_load([2, 8, 5, 1], [10, 11, 12, 13]))
+    for layer, before in zip(layers, original, strict=True):
+        assert torch.equal(layer[[10, 11, 12, 13]], before[[7, 19, 0, 3]])
+        assert not layer[[*range(10), *range(14, 20)]].any()
+
+
+def test_layers_64_bytes_apart_load_through_overlapping_items_and_store_by_memmove() -> None:
+    """Storages whose distances share only 64 bytes: loads still scatter 16 KiB items (one
+    starts at every 64 bytes of the span, so they overlap), stores fall back to memmove."""
+    size = 20 * 16384 + 64  # each layer 64 bytes further off the 16 KiB grid
+    buffer = np.random.default_rng(3).integers(0, 256, 4 * size, dtype=np.uint8)
+    # from_numpy: each layer its own storage, at a chosen address inside one buffer
+    layers = [
+        torch.from_numpy(buffer[i * size : i * size + 20 * 16384]).view(20, 16384)
+        for i in (3, 0, 1)
+    ]
+    original = [layer.clone() for layer in layers]
+    engine = TransferEngine(KVLayout(layers), CpuBlockPool(3 * 16384, 10))
+    span = engine._backend._copier.large  # type: ignore[attr-defined]
+    assert isinstance(span, SpanCopier) and span.scatters and not span.gathers
+    assert (span.unit, span.width) == (64, 16384)
+    finish(engine, engine.submit_store([19, 3, 7, 0], [8, 1, 2, 5]))
     for layer in layers:
         layer.zero_()
     finish(engine, engine.submit_load([2, 8, 5, 1], [10, 11, 12, 13]))

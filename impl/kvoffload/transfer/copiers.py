@@ -37,7 +37,8 @@ ROWS_BELOW = 8 * 1024
 # Rows narrower than this would make numpy move a run in many tiny items: such layouts
 # (odd byte sizes or offsets) keep memmove for every job.
 ROWS_AT_LEAST = 512
-# SpanCopier's rows narrower than this cost numpy more per byte than a memmove per run.
+# SpanCopier's items narrower than this cost numpy more per byte than a memmove per run
+# (4 KiB items measured as fast as 64 KiB ones, 64-byte ones many times slower).
 SPAN_UNIT_AT_LEAST = 4096
 
 # ``ctypes.memmove`` returns the destination as a new Python int; the same C function
@@ -101,82 +102,111 @@ class SpanCopier:
     Separate per-layer tensors make a 64 KiB block 8 runs of 64 KiB in 8 storages, and one
     Python-level call per run (``MemmoveCopier``) costs ~1 us with the caches its previous
     copy flushed: ~12 points of a plain copy's speed at batch 64 (docs/data_path.md). Here
-    every storage of the layout is seen through one array of ``unit``-byte rows that spans
-    the address range holding them all, so the runs of every layer that meet in one
-    stretch of the pool (a CPU block's layers, or consecutive CPU blocks) are copied by one
-    ``np.take(..., out=)`` (store) or one fancy assignment (load): numpy moves row after row
-    in a C loop with the GIL released, directly between the two buffers. The rows between
-    the storages are never read or written: every index comes from a run that
-    ``require_in_bounds`` has checked against its own storage.
+    every storage of the layout is seen through one array that spans the address range
+    holding them all, so the runs of every layer that meet in one stretch of the pool (a
+    CPU block's layers, or consecutive CPU blocks) are copied by one numpy call that moves
+    item after item in a C loop, with the GIL released, directly between the two buffers.
+    The bytes between the storages are never read or written: every index comes from a
+    run that ``require_in_bounds`` has checked against its own storage.
 
-    ``unit`` is :func:`row_unit` further divided by the storages' distances from the lowest
-    one, so a layout whose storages are not ``unit``-aligned to each other has narrow rows
-    (``usable`` tells whether they are wide enough to pay). The pool must lie outside that
-    address range: numpy's overlap check is by bounds, and would copy through a temporary.
+    - A load scatters a pool span with one fancy assignment into ``width``-byte items
+      (:func:`row_unit`: every run is whole items) that start at every ``unit`` bytes of the
+      span, ``unit`` being ``width`` divided down by the storages' distances from the lowest
+      one. The items overlap when ``unit < width``, which numpy's assignment allows: the
+      storages' alignment to each other (the allocator's) does not matter.
+    - A store gathers with ``ndarray.take(out=)``, which needs items that tile the array:
+      rows of ``unit`` bytes. Storages placed at distances that share no 4 KiB factor give
+      rows too narrow to pay, and stores are better off one ``memmove`` per run.
+
+    A direction whose items would be narrower than ``narrowest`` bytes (the engine's
+    default copier asks for ``SPAN_UNIT_AT_LEAST``) goes one ``memmove`` per run instead:
+    ``gathers`` and ``scatters`` tell which take the span. So does every job when the pool
+    lies inside the storages' address range: numpy's overlap checks go by bounds, and would
+    copy through a temporary.
     """
 
-    def __init__(self, layout: KVLayout, pool: CpuBlockPool) -> None:
-        self._storage_of_segment, distinct = distinct_storages(layout)
+    def __init__(self, layout: KVLayout, pool: CpuBlockPool, narrowest: int = 1) -> None:
+        storage_of_segment, distinct = distinct_storages(layout)
         pointers = [storage.data_ptr() for storage in distinct]
         low = min(pointers)
         high = max(p + storage.numel() for p, storage in zip(pointers, distinct, strict=True))
-        self.unit = math.gcd(row_unit(layout, pool), *(p - low for p in pointers))
+        self.width = row_unit(layout, pool)
+        self.unit = math.gcd(self.width, *(p - low for p in pointers))
         pool_low = pool.flat.data_ptr()
-        self.usable = self.unit >= SPAN_UNIT_AT_LEAST and (
-            pool_low + pool.flat.numel() <= low or pool_low >= high
-        )
+        apart = pool_low + pool.flat.numel() <= low or pool_low >= high
+        self.gathers = apart and self.unit >= narrowest
+        self.scatters = apart and self.width >= narrowest
+        memory = memoryview((ctypes.c_char * (high - low)).from_address(low))
         rows = (high - low) // self.unit
-        memory = (ctypes.c_char * (rows * self.unit)).from_address(low)
-        self._span = np.frombuffer(memoryview(memory), dtype=np.uint8).view(
+        self._rows = np.frombuffer(memory[: rows * self.unit], dtype=np.uint8).view(
             np.dtype((np.void, self.unit))
         )
-        storage_row = np.array([(p - low) // self.unit for p in pointers], dtype=np.int64)
-        self._segment_row = storage_row[self._storage_of_segment]  # where each one's row 0 is
+        self._items = np.ndarray(
+            ((high - low - self.width) // self.unit + 1,),
+            dtype=np.dtype((np.void, self.width)),
+            buffer=memory,
+            strides=(self.unit,),
+        )
+        storage_at = np.array([(p - low) // self.unit for p in pointers], dtype=np.int64)
+        self._segment_at = storage_at[storage_of_segment]  # in units from the span's start
         self._segment_end = np.array([s.numel() for s in _segment_storages(layout)], np.int64)
-        self._pool = _void_rows(pool.flat, self.unit)
+        self._pool_rows = _void_rows(pool.flat, self.unit)
+        self._pool_items = _void_rows(pool.flat, self.width)
         self._pool_end = pool.flat.numel()
+        self._memmove = MemmoveCopier(layout, pool)
+
+    @property
+    def usable(self) -> bool:
+        """Whether either direction is faster here than one memmove per run."""
+        return self.gathers or self.scatters
 
     def copy(self, job: Job, hook: FaultHook | None) -> None:
         runs = job.runs
         if not len(runs):
             return
-        fault_up_front(job, hook)
+        fault_up_front(job, hook)  # either way, as for every batched copier
+        store = job.direction is Direction.STORE
+        if not (self.gathers if store else self.scatters):
+            self._memmove.copy(job, None)
+            return
         require_in_bounds(runs, self._segment_end, self._pool_end)
         # Every numpy call here costs ~5-10 us, not ~1: the previous job's copy has flushed
         # the caches. So the usual job, runs of one size (one per layer and block), takes
         # the path of fewest calls; mixed sizes (merged runs of consecutive ids) the general.
-        unit = self.unit
+        size = self.unit if store else self.width  # bytes per item
+        step = size // self.unit  # units from one item of a run to the next
         order = np.argsort(runs.cpu_offset, kind="stable")
-        cpu_row = runs.cpu_offset[order] // unit
-        device_row = (self._segment_row[runs.segment] + runs.device_offset // unit)[order]
-        size = int(runs.nbytes[0])
-        if (runs.nbytes == size).all():
-            rows = size // unit
-            span_rows = (device_row[:, None] + np.arange(rows)).ravel()
-            breaks = np.flatnonzero(cpu_row[1:] != cpu_row[:-1] + rows).tolist()
+        pool_at = runs.cpu_offset[order] // size
+        device_at = (self._segment_at[runs.segment] + runs.device_offset // self.unit)[order]
+        nbytes = int(runs.nbytes[0])
+        if (runs.nbytes == nbytes).all():
+            count = nbytes // size
+            items = (device_at[:, None] + np.arange(0, count * step, step)).ravel()
+            breaks = np.flatnonzero(pool_at[1:] != pool_at[:-1] + count).tolist()
             firsts, lasts = [0, *(b + 1 for b in breaks)], [*breaks, len(runs) - 1]
-            starts = [first * rows for first in firsts]
-            ends = [(last + 1) * rows for last in lasts]
+            starts = [first * count for first in firsts]
+            ends = [(last + 1) * count for last in lasts]
         else:
-            lengths = runs.nbytes[order] // unit
-            span_rows = expand_runs(device_row, lengths)  # in pool order
-            begin = np.cumsum(lengths) - lengths
-            first_runs, last_runs = pool_spans(cpu_row, lengths)
+            counts = runs.nbytes[order] // size
+            within = expand_runs(np.zeros_like(counts), counts)
+            items = np.repeat(device_at, counts) + within * step  # in pool order
+            begin = np.cumsum(counts) - counts
+            first_runs, last_runs = pool_spans(pool_at, counts)
             firsts = first_runs.tolist()
             starts = begin[first_runs].tolist()
-            ends = (begin[last_runs] + lengths[last_runs]).tolist()
-        at = cpu_row.tolist()
-        span, pool = self._span, self._pool
-        store = job.direction is Direction.STORE
-        # pool span i is the pool's rows from at[firsts[i]] on, and span_rows[starts[i]:ends[i]]
-        for first, start, end in zip(firsts, starts, ends, strict=True):
-            into = pool[at[first] : at[first] + end - start]
-            if store:
+            ends = (begin[last_runs] + counts[last_runs]).tolist()
+        at = pool_at.tolist()
+        # pool span i: the pool's items from at[firsts[i]] on <-> items[starts[i]:ends[i]]
+        if store:
+            rows, pool = self._rows, self._pool_rows
+            for first, start, end in zip(firsts, starts, ends, strict=True):
                 # the method, not np.take: its dispatch costs ~3x the call (~2.7 us here).
                 # "clip" (never reached: rows were checked) because "raise" buffers ``out``
-                span.take(span_rows[start:end], 0, into, "clip")
-            else:
-                span[span_rows[start:end]] = into
+                rows.take(items[start:end], 0, pool[at[first] : at[first] + end - start], "clip")
+        else:
+            spread, pool = self._items, self._pool_items
+            for first, start, end in zip(firsts, starts, ends, strict=True):
+                spread[items[start:end]] = pool[at[first] : at[first] + end - start]
 
 
 def _segment_storages(layout: KVLayout) -> list[torch.Tensor]:

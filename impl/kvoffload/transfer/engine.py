@@ -17,6 +17,7 @@ import numpy.typing as npt
 from kvoffload.transfer.copiers import (
     ROWS_AT_LEAST,
     ROWS_BELOW,
+    SPAN_UNIT_AT_LEAST,
     Copier,
     MemmoveCopier,
     RowCopier,
@@ -260,8 +261,8 @@ def _backend_for(
         raise InvalidArgumentError(f"KV caches on {kind!r} are not supported (cpu or cuda)")
     if copier is None and row_unit(layout, pool) >= ROWS_AT_LEAST:
         # small runs as numpy rows; large ones one numpy call per pool span where the
-        # storages' alignment gives wide enough rows, else one memmove each
-        span = SpanCopier(layout, pool)
+        # layout's rows are wide enough (SpanCopier), else one memmove each
+        span = SpanCopier(layout, pool, narrowest=SPAN_UNIT_AT_LEAST)
         large: Copier = span if span.usable else MemmoveCopier(layout, pool)
         cpu: Copier = ThresholdCopier(RowCopier(layout, pool), large, below=ROWS_BELOW)
     else:
