@@ -40,6 +40,11 @@ ROWS_AT_LEAST = 512
 # SpanCopier's items narrower than this cost numpy more per byte than a memmove per run
 # (4 KiB items measured as fast as 64 KiB ones, 64-byte ones many times slower).
 SPAN_UNIT_AT_LEAST = 4096
+# Jobs of fewer runs, or of runs averaging this or more, go one memmove per run: at batch
+# 1 and 8 (8 and 64 runs of 64 KiB) the span path measured 5-13 points slower, at batch 64
+# 5-10 points faster; a 1 MiB memmove spends well under 1% of its time on the call.
+SPAN_RUNS_AT_LEAST = 128
+SPAN_BELOW = 1 << 20
 
 # ``ctypes.memmove`` returns the destination as a new Python int; the same C function
 # declared to return nothing saves ~0.12 us of its ~0.5 us per call, which 64 KiB runs
@@ -118,14 +123,24 @@ class SpanCopier:
       rows of ``unit`` bytes. Storages placed at distances that share no 4 KiB factor give
       rows too narrow to pay, and stores are better off one ``memmove`` per run.
 
-    A direction whose items would be narrower than ``narrowest`` bytes (the engine's
-    default copier asks for ``SPAN_UNIT_AT_LEAST``) goes one ``memmove`` per run instead:
-    ``gathers`` and ``scatters`` tell which take the span. So does every job when the pool
-    lies inside the storages' address range: numpy's overlap checks go by bounds, and would
-    copy through a temporary.
+    A direction whose items would be narrower than ``narrowest`` bytes goes one
+    ``memmove`` per run instead (``gathers`` and ``scatters`` tell which take the span), and
+    so do jobs of fewer than ``fewest_runs`` runs or of runs averaging ``below`` bytes or
+    more: there the ~20 numpy calls of planning the spans cost more than the memmove calls
+    they save (the engine's default copier sets all three, SPAN_*). So does every job when
+    the pool lies inside the storages' address range: numpy's overlap checks go by bounds,
+    and would copy through a temporary.
     """
 
-    def __init__(self, layout: KVLayout, pool: CpuBlockPool, narrowest: int = 1) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        pool: CpuBlockPool,
+        *,
+        narrowest: int = 1,
+        fewest_runs: int = 1,
+        below: int | None = None,
+    ) -> None:
         storage_of_segment, distinct = distinct_storages(layout)
         pointers = [storage.data_ptr() for storage in distinct]
         low = min(pointers)
@@ -134,6 +149,7 @@ class SpanCopier:
         self.unit = math.gcd(self.width, *(p - low for p in pointers))
         pool_low = pool.flat.data_ptr()
         apart = pool_low + pool.flat.numel() <= low or pool_low >= high
+        self.fewest_runs, self.below = fewest_runs, below
         self.gathers = apart and self.unit >= narrowest
         self.scatters = apart and self.width >= narrowest
         memory = memoryview((ctypes.c_char * (high - low)).from_address(low))
@@ -166,7 +182,11 @@ class SpanCopier:
             return
         fault_up_front(job, hook)  # either way, as for every batched copier
         store = job.direction is Direction.STORE
-        if not (self.gathers if store else self.scatters):
+        if (
+            not (self.gathers if store else self.scatters)
+            or len(runs) < self.fewest_runs
+            or (self.below is not None and runs.total_bytes >= self.below * len(runs))
+        ):
             self._memmove.copy(job, None)
             return
         require_in_bounds(runs, self._segment_end, self._pool_end)

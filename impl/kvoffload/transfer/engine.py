@@ -17,6 +17,8 @@ import numpy.typing as npt
 from kvoffload.transfer.copiers import (
     ROWS_AT_LEAST,
     ROWS_BELOW,
+    SPAN_BELOW,
+    SPAN_RUNS_AT_LEAST,
     SPAN_UNIT_AT_LEAST,
     Copier,
     MemmoveCopier,
@@ -262,7 +264,13 @@ def _backend_for(
     if copier is None and row_unit(layout, pool) >= ROWS_AT_LEAST:
         # small runs as numpy rows; large ones one numpy call per pool span where the
         # layout's rows are wide enough (SpanCopier), else one memmove each
-        span = SpanCopier(layout, pool, narrowest=SPAN_UNIT_AT_LEAST)
+        span = SpanCopier(
+            layout,
+            pool,
+            narrowest=SPAN_UNIT_AT_LEAST,
+            fewest_runs=SPAN_RUNS_AT_LEAST,
+            below=SPAN_BELOW,
+        )
         large: Copier = span if span.usable else MemmoveCopier(layout, pool)
         cpu: Copier = ThresholdCopier(RowCopier(layout, pool), large, below=ROWS_BELOW)
     else:
