@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--copier",
-        choices=("memmove", "rows", "tensor", "gather"),
+        choices=("memmove", "rows", "span", "tensor", "gather"),
         default=None,
         help="memmove per run, numpy rows, copy_ per run, or the staging buffer for every "
         "job (CPU default: rows below 8 KiB runs, memmove above; CUDA default: the staging "

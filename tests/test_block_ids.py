@@ -2,7 +2,7 @@
 
 The transfer engine (``submit_store`` / ``submit_load``), the offloader in front of it
 (``store`` / ``load``: the device ids it is given and the block ids its manager plans, each
-checked once, before the engine's trusted entry) and the memmove copier's last-resort bounds
+checked once, before the engine's trusted entry) and the raw copiers' last-resort bounds
 check each decide which ids may be written. A bound off by one lets a job write past the
 pool; a distinctness check that compares only neighbours lets ``[1, 2, 1]`` write one block
 twice. So the checker below tries, at each layer, on the CPU side and the device side, and
@@ -41,7 +41,7 @@ from tests.planted.block_ids import (
 DEVICE_BLOCKS = SMALL + 16
 CPU_BLOCKS = SMALL + 8
 LENGTHS = (3, SMALL + 4)  # ids per call: the plain-Python check and the numpy one
-COPIERS: tuple[CopierName, ...] = ("memmove", "rows", "tensor")
+COPIERS: tuple[CopierName, ...] = ("memmove", "rows", "span", "tensor")
 
 
 def device_cache() -> list[torch.Tensor]:

@@ -181,7 +181,7 @@ def size_one_problems() -> list[str]:
         expected = [reference_block(tensors, block_dim, block) for block in range(count)]
         if not all(torch.equal(layout_block(layout, b), want) for b, want in enumerate(expected)):
             problems.append(f"{name}: the segments are not the blocks")
-        copiers: tuple[CopierName, ...] = ("memmove", "rows", "tensor", "gather")
+        copiers: tuple[CopierName, ...] = ("memmove", "rows", "span", "tensor", "gather")
         for copier in copiers:
             pool = CpuBlockPool(layout.bytes_per_block, count)
             engine = TransferEngine(layout, pool, copier=copier)

@@ -25,7 +25,13 @@ from kvoffload.transfer import (
     TransferEngine,
 )
 from kvoffload.transfer import pool as pool_module
-from kvoffload.transfer.copiers import ROWS_BELOW, MemmoveCopier, RowCopier
+from kvoffload.transfer.copiers import (
+    ROWS_BELOW,
+    SPAN_UNIT_AT_LEAST,
+    MemmoveCopier,
+    RowCopier,
+    SpanCopier,
+)
 from kvoffload.transfer.engine import CopierName
 from kvoffload.transfer.gather import ThresholdCopier
 from kvoffload.transfer.jobs import FaultHook, Job
@@ -39,6 +45,7 @@ CPU_PATHS: list[tuple[CopierName | None, bool]] = [
     (None, False),
     ("memmove", False),
     ("rows", False),
+    ("span", False),
     ("tensor", False),
     ("gather", False),
     (None, True),
@@ -355,7 +362,7 @@ def test_a_failure_in_the_copy_itself_fails_only_its_job() -> None:
     assert results[good].ok
 
 
-@pytest.mark.parametrize("copier", ["memmove", "rows"])
+@pytest.mark.parametrize("copier", ["memmove", "rows", "span"])
 def test_a_run_outside_its_buffers_fails_its_job_instead_of_copying(copier: CopierName) -> None:
     engine, _, _ = build_engine("cross_layer", cpu_blocks=2, copier=copier)
     plan = engine._mapping.runs
@@ -628,7 +635,7 @@ def test_the_staging_and_rows_paths_move_exactly_the_runs_bytes(kind: str) -> No
     """Against the per-run reference: same pool after a store, same cache after a load
     (block_size_factor 2: runs of several rows, split into rows and back)."""
     results = []
-    copiers: tuple[CopierName, ...] = ("tensor", "gather", "rows")
+    copiers: tuple[CopierName, ...] = ("tensor", "gather", "rows", "span")
     for copier in copiers:
         engine, tensors, block_dim = build_engine(
             kind, num_blocks=12, cpu_blocks=5, factor=2, copier=copier
@@ -643,7 +650,7 @@ def test_the_staging_and_rows_paths_move_exactly_the_runs_bytes(kind: str) -> No
         assert torch.equal(pool_reference, pool_other) and same(blocks_reference, blocks_other)
 
 
-@pytest.mark.parametrize("copier", ["gather", "rows"])
+@pytest.mark.parametrize("copier", ["gather", "rows", "span"])
 def test_a_fault_fails_a_staged_job_before_it_copies_anything(copier: CopierName) -> None:
     engine, _, _ = build_engine("per_layer", num_blocks=4, cpu_blocks=2, copier=copier)
     engine.fault_hook = FailAt(job=0, run=1)
@@ -676,7 +683,10 @@ def test_the_cpu_default_copies_small_runs_as_rows_and_large_ones_by_memmove() -
     chooser = engine._backend._copier  # type: ignore[attr-defined]
     assert isinstance(chooser, ThresholdCopier)
     assert isinstance(chooser.small, RowCopier) and chooser.small.unit == 4096
-    assert isinstance(chooser.large, MemmoveCopier) and chooser.below == ROWS_BELOW
+    # the separate layers' alignment to each other (the allocator's) picks the large path
+    wide = SpanCopier(engine.layout, engine.pool, narrowest=SPAN_UNIT_AT_LEAST).usable
+    assert isinstance(chooser.large, SpanCopier if wide else MemmoveCopier)
+    assert chooser.below == ROWS_BELOW
     used: list[str] = []
     for side in ("small", "large"):
         inner = getattr(chooser, side)
@@ -699,6 +709,63 @@ def test_the_cpu_default_copies_small_runs_as_rows_and_large_ones_by_memmove() -
     finish(engine, engine.submit_store([1, 2], [5, 6]))
     assert torch.equal(engine.pool.tensor[5].view(3, 4096)[1], layers[1][1])
     assert used == ["small", "small", "large"]
+
+
+def test_layers_of_one_storage_take_the_span_path_one_call_per_pool_span() -> None:
+    """Layers cut from one buffer at page-aligned offsets: 16 KiB rows across all of them,
+    so a store of random blocks is one numpy call per CPU block, byte-exact both ways."""
+    buffer = torch.randint(0, 256, (5 * 20 * 16384,), dtype=torch.uint8)
+    layers = [buffer[i * 20 * 16384 : (i + 1) * 20 * 16384].view(20, 16384) for i in (4, 0, 2)]
+    original = [layer.clone() for layer in layers]
+    engine = TransferEngine(KVLayout(layers), CpuBlockPool(3 * 16384, 10))
+    span = engine._backend._copier.large  # type: ignore[attr-defined]
+    assert isinstance(span, SpanCopier) and span.gathers and span.scatters
+    assert span.unit == span.width == 16384
+    taken: list[int] = []  # rows per numpy call (its span array's ``take`` method)
+
+    class Counted:
+        def __init__(self, rows: Any) -> None:
+            self.rows = rows
+
+        def take(self, indices: Any, *args: Any) -> Any:
+            taken.append(len(indices))
+            return self.rows.take(indices, *args)
+
+    rows = span._rows
+    span._rows = Counted(rows)  # type: ignore[assignment]
+    finish(engine, engine.submit_store([19, 3, 7, 0], [8, 1, 2, 5]))
+    span._rows = rows
+    assert taken == [6, 3, 3]  # CPU blocks 1 and 2 are one stretch of the pool, 5 and 8 two more
+    for layer in layers:
+        layer.zero_()
+    finish(engine, engine.submit_load([2, 8, 5, 1], [10, 11, 12, 13]))
+    for layer, before in zip(layers, original, strict=True):
+        assert torch.equal(layer[[10, 11, 12, 13]], before[[7, 19, 0, 3]])
+        assert not layer[[*range(10), *range(14, 20)]].any()
+
+
+def test_layers_64_bytes_apart_load_through_overlapping_items_and_store_by_memmove() -> None:
+    """Storages whose distances share only 64 bytes: loads still scatter 16 KiB items (one
+    starts at every 64 bytes of the span, so they overlap), stores fall back to memmove."""
+    size = 20 * 16384 + 64  # each layer 64 bytes further off the 16 KiB grid
+    buffer = np.random.default_rng(3).integers(0, 256, 4 * size, dtype=np.uint8)
+    # from_numpy: each layer its own storage, at a chosen address inside one buffer
+    layers = [
+        torch.from_numpy(buffer[i * size : i * size + 20 * 16384]).view(20, 16384)
+        for i in (3, 0, 1)
+    ]
+    original = [layer.clone() for layer in layers]
+    engine = TransferEngine(KVLayout(layers), CpuBlockPool(3 * 16384, 10))
+    span = engine._backend._copier.large  # type: ignore[attr-defined]
+    assert isinstance(span, SpanCopier) and span.scatters and not span.gathers
+    assert (span.unit, span.width) == (64, 16384)
+    finish(engine, engine.submit_store([19, 3, 7, 0], [8, 1, 2, 5]))
+    for layer in layers:
+        layer.zero_()
+    finish(engine, engine.submit_load([2, 8, 5, 1], [10, 11, 12, 13]))
+    for layer, before in zip(layers, original, strict=True):
+        assert torch.equal(layer[[10, 11, 12, 13]], before[[7, 19, 0, 3]])
+        assert not layer[[*range(10), *range(14, 20)]].any()
 
 
 def test_layouts_of_narrow_rows_keep_memmove_for_every_job() -> None:

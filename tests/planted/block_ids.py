@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload import offloader as offloader_module
+from kvoffload.transfer import copiers as copiers_module
 from kvoffload.transfer import engine as engine_module
-from kvoffload.transfer.copiers import MemmoveCopier
 from kvoffload.transfer.engine import SMALL, as_block_ids, require_distinct
 from kvoffload.transfer.runs import IdArray
 from kvoffload_spec.errors import InvalidArgumentError
@@ -47,15 +47,15 @@ def distinct_neighbours_only_when_short(name: str, ids: IdArray) -> None:
         require_distinct(name, ids)
 
 
-def copier_bound_off_by_one(self: MemmoveCopier, runs: Any) -> None:
-    """The memmove copier's last-resort check refuses a run that ends exactly at the end of
+def copier_bound_off_by_one(runs: Any, segment_end: Any, pool_end: int) -> None:
+    """The raw copiers' last-resort check refuses a run that ends exactly at the end of
     its buffer: every copy of the pool's last block fails."""
     if not len(runs):
         return
     device_end = runs.device_offset + runs.nbytes
-    if (device_end >= self._segment_end[runs.segment]).any() or int(
+    if (device_end >= segment_end[runs.segment]).any() or int(
         (runs.cpu_offset + runs.nbytes).max()
-    ) >= self._pool_end:
+    ) >= pool_end:
         raise RuntimeError("a copy run lies outside its buffer: refusing to copy")
 
 
@@ -127,8 +127,8 @@ PLANTED_ID_BUGS = (
         "(3 keys): store into planned CPU ids with the first id again at the end: accepted",
     ),
     PlantedIdBug(
-        "memmove bounds backstop off by one",
-        ((MemmoveCopier, "_require_in_bounds"),),
+        "raw-copy bounds backstop off by one",
+        ((copiers_module, "require_in_bounds"),),
         copier_bound_off_by_one,
         "(memmove, 3 ids): job 0 failed",
     ),

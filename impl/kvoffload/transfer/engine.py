@@ -17,9 +17,13 @@ import numpy.typing as npt
 from kvoffload.transfer.copiers import (
     ROWS_AT_LEAST,
     ROWS_BELOW,
+    SPAN_BELOW,
+    SPAN_RUNS_AT_LEAST,
+    SPAN_UNIT_AT_LEAST,
     Copier,
     MemmoveCopier,
     RowCopier,
+    SpanCopier,
     TensorCopier,
     row_unit,
 )
@@ -37,7 +41,7 @@ if TYPE_CHECKING:
 
     BlockIds = Sequence[int] | IdArray | torch.Tensor
 
-CopierName = Literal["memmove", "rows", "tensor", "gather"]
+CopierName = Literal["memmove", "rows", "span", "tensor", "gather"]
 SMALL = 256  # ids: where plain Python beats numpy (see as_block_ids)
 
 
@@ -241,12 +245,12 @@ def _backend_for(
     layout: KVLayout, pool: CpuBlockPool, threaded: bool, copier: CopierName | None
 ) -> Backend:
     kind = layout.device.type
-    if copier not in (None, "memmove", "rows", "tensor", "gather"):
+    if copier not in (None, "memmove", "rows", "span", "tensor", "gather"):
         raise InvalidArgumentError(
-            f"copier must be 'memmove', 'rows', 'tensor' or 'gather', got {copier!r}"
+            f"copier must be 'memmove', 'rows', 'span', 'tensor' or 'gather', got {copier!r}"
         )
     if kind == "cuda":
-        if copier in ("memmove", "rows"):
+        if copier in ("memmove", "rows", "span"):
             raise InvalidArgumentError(f"the {copier} copier needs the KV cache in host memory")
         from kvoffload.transfer.cuda import CudaBackend
 
@@ -258,10 +262,17 @@ def _backend_for(
     if kind != "cpu":
         raise InvalidArgumentError(f"KV caches on {kind!r} are not supported (cpu or cuda)")
     if copier is None and row_unit(layout, pool) >= ROWS_AT_LEAST:
-        # small runs as numpy rows, large ones one memmove each
-        cpu: Copier = ThresholdCopier(
-            RowCopier(layout, pool), MemmoveCopier(layout, pool), below=ROWS_BELOW
+        # small runs as numpy rows; large ones one numpy call per pool span where the
+        # layout's rows are wide enough (SpanCopier), else one memmove each
+        span = SpanCopier(
+            layout,
+            pool,
+            narrowest=SPAN_UNIT_AT_LEAST,
+            fewest_runs=SPAN_RUNS_AT_LEAST,
+            below=SPAN_BELOW,
         )
+        large: Copier = span if span.usable else MemmoveCopier(layout, pool)
+        cpu: Copier = ThresholdCopier(RowCopier(layout, pool), large, below=ROWS_BELOW)
     else:
         cpu = _named_copier(copier or "memmove", layout, pool)
     return CpuBackend(cpu, threaded=threaded)
@@ -272,6 +283,8 @@ def _named_copier(name: CopierName, layout: KVLayout, pool: CpuBlockPool) -> Cop
         return TensorCopier(layout, pool)
     if name == "rows":
         return RowCopier(layout, pool)
+    if name == "span":
+        return SpanCopier(layout, pool)
     if name == "gather":
         return GatherCopier(layout, pool)
     return MemmoveCopier(layout, pool)

@@ -28,7 +28,7 @@ from kvoffload.transfer.copiers import Copier, distinct_storages, fault_up_front
 from kvoffload.transfer.jobs import Direction, FaultHook, Job
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pool import CpuBlockPool
-from kvoffload.transfer.runs import CopyRuns, IdArray, expand_runs
+from kvoffload.transfer.runs import CopyRuns, IdArray, expand_runs, pool_spans
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +89,8 @@ def move_through_staging(
     total = int(rows.sum())
     device = storage_rows[0].device
     staging = pool_rows.new_empty((total, pool_rows.shape[1]), device=device)
-    spans = _spans(cpu_row, rows)
+    firsts, lasts = pool_spans(cpu_row, rows)
+    spans = list(zip(firsts.tolist(), lasts.tolist(), strict=True))
     if not store:
         for first, last in spans:
             begin, end = int(staged_at[first]), int(staged_at[last] + rows[last])
@@ -122,14 +123,6 @@ def _rows_of(flat: torch.Tensor, unit: int, wide: bool) -> torch.Tensor:
 
     rows = flat[: flat.numel() // unit * unit]
     return (rows.view(torch.int64) if wide else rows).view(-1, unit // 8 if wide else unit)
-
-
-def _spans(cpu_row: IdArray, rows: IdArray) -> list[tuple[int, int]]:
-    """(first, last) run of each stretch of runs that follow each other in the pool."""
-    breaks = np.flatnonzero(cpu_row[1:] != cpu_row[:-1] + rows[:-1]) + 1
-    firsts = np.concatenate(([0], breaks))
-    lasts = np.concatenate((breaks - 1, [len(rows) - 1]))
-    return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
 
 
 class ThresholdCopier:

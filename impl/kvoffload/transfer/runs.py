@@ -149,6 +149,15 @@ def expand_runs(starts: IdArray, lengths: IdArray) -> IdArray:
     return shifted + np.arange(int(ends[-1]), dtype=np.int64)
 
 
+def pool_spans(cpu_row: IdArray, rows: IdArray) -> tuple[IdArray, IdArray]:
+    """The first and the last run of each stretch of runs (sorted by ``cpu_row``, each
+    ``rows`` long) that follow each other in the pool."""
+    breaks = np.flatnonzero(cpu_row[1:] != cpu_row[:-1] + rows[:-1]) + 1
+    firsts = np.concatenate(([0], breaks))
+    lasts = np.concatenate((breaks - 1, [len(rows) - 1]))
+    return firsts, lasts
+
+
 class _Row(NamedTuple):
     """Consecutive segments copied as one: ``nbytes`` from ``base + block * stride`` of
     ``segment``'s storage, to ``cpu_offset`` inside the (first sub-block of a) CPU block.
