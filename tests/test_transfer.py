@@ -27,6 +27,7 @@ from kvoffload.transfer import (
 from kvoffload.transfer import pool as pool_module
 from kvoffload.transfer.copiers import (
     ROWS_BELOW,
+    SPAN_RUNS_AT_LEAST,
     SPAN_UNIT_AT_LEAST,
     MemmoveCopier,
     RowCopier,
@@ -721,6 +722,8 @@ def test_layers_of_one_storage_take_the_span_path_one_call_per_pool_span() -> No
     span = engine._backend._copier.large  # type: ignore[attr-defined]
     assert isinstance(span, SpanCopier) and span.gathers and span.scatters
     assert span.unit == span.width == 16384
+    assert span.fewest_runs == SPAN_RUNS_AT_LEAST  # a job of 4 runs would go by memmove...
+    span.fewest_runs = 1  # ...so this one takes the span path on purpose
     taken: list[int] = []  # rows per numpy call (its span array's ``take`` method)
 
     class Counted:
