@@ -8,8 +8,9 @@ after the other (which goes first alternates); the GB/s figures are the medians 
 samples, the ratio is the median of the samples' own ratios: the two runs of a sample share
 the machine's state of the moment (on a shared machine a neighbour's burst hits both
 alike), so that ratio is steadier than a ratio of medians. Read the ratio column. Next to
-it, the median thread CPU time of one call on each side (this process only, not the
-server's): what the store's own work costs, whatever the machine's load.
+it, the median thread CPU time of one call on each side (this process only): what the
+store's own work costs, whatever the machine's load; and the server's CPU time per call on
+each side (the mean, read from /proc on Linux): what the store's commands cost the server.
 
 Also measured: the bytes each side allocates per payload byte (tracemalloc: a put that
 copies the payload allocates >= 1 per byte; the store's puts send the caller's buffers), and
@@ -71,6 +72,9 @@ class Throughput:
     met: bool
     store_cpu_ms: float  # median thread CPU time of one call (this process only)
     client_cpu_ms: float
+    # the server's CPU time per call (mean; its threads' run time from /proc, Linux only)
+    store_server_cpu_ms: float | None
+    client_server_cpu_ms: float | None
 
 
 @dataclass(frozen=True)
@@ -126,16 +130,42 @@ def timed(work: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def timed_cpu(work: Callable[[], object], cpu: list[float]) -> float:
-    """Wall time of ``work``; its thread CPU time is appended to ``cpu``."""
+def timed_cpu(work: Callable[[], object], cpu: list[float], server: list[float], pid: int) -> float:
+    """Wall time of ``work``; its thread CPU time is appended to ``cpu``, the server's (the
+    process ``pid``) to ``server``."""
+    started_server = process_cpu(pid)
     started_cpu = time.thread_time()
     wall = timed(work)
     cpu.append(time.thread_time() - started_cpu)
+    server.append(process_cpu(pid) - started_server)
     return wall
 
 
+def process_cpu(pid: int) -> float:
+    """Seconds of CPU the process ``pid`` has run, all its threads (Linux; NaN elsewhere)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        total = 0
+        for task in tasks:
+            with open(f"/proc/{pid}/task/{task}/schedstat", encoding="ascii") as stat:
+                total += int(stat.read().split()[0])  # nanoseconds on the CPU
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return total / 1e9
+
+
+def mean_ms(seconds: list[float]) -> float | None:
+    mean = statistics.fmean(seconds)
+    return None if mean != mean else round(mean * 1e3, 3)
+
+
 def throughput(
-    store: ValkeyStore, client: valkey.Valkey, block_bytes: int, batch: int, samples: int
+    store: ValkeyStore,
+    client: valkey.Valkey,
+    block_bytes: int,
+    batch: int,
+    samples: int,
+    server_pid: int,
 ) -> list[Throughput]:
     rng = random.Random(block_bytes + batch)
     values = [memoryview(rng.randbytes(block_bytes)) for _ in range(batch)]
@@ -163,13 +193,15 @@ def throughput(
         plain: list[float] = []
         mine_cpu: list[float] = []
         plain_cpu: list[float] = []
+        mine_server: list[float] = []
+        plain_server: list[float] = []
         for sample in range(samples):
             if sample % 2:
-                plain.append(timed_cpu(theirs, plain_cpu))
-                mine.append(timed_cpu(ours, mine_cpu))
+                plain.append(timed_cpu(theirs, plain_cpu, plain_server, server_pid))
+                mine.append(timed_cpu(ours, mine_cpu, mine_server, server_pid))
             else:
-                mine.append(timed_cpu(ours, mine_cpu))
-                plain.append(timed_cpu(theirs, plain_cpu))
+                mine.append(timed_cpu(ours, mine_cpu, mine_server, server_pid))
+                plain.append(timed_cpu(theirs, plain_cpu, plain_server, server_pid))
         store_gbps = payload / statistics.median(mine) / 1e9
         client_gbps = payload / statistics.median(plain) / 1e9
         # each sample's two runs are adjacent in time, so share the machine's state of the
@@ -188,6 +220,8 @@ def throughput(
                 ratio >= TARGET,
                 round(statistics.median(mine_cpu) * 1e3, 3),
                 round(statistics.median(plain_cpu) * 1e3, 3),
+                mean_ms(mine_server),
+                mean_ms(plain_server),
             )
         )
     return rows
@@ -314,17 +348,23 @@ def fetch_latency(url: str, block_bytes: int, samples: int) -> FetchLatency:
     return FetchLatency(block_bytes, samples, *hit_q, *fetch_q, added)
 
 
+def _ms(value: object) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def table(result: dict[str, object]) -> str:
     lines = [
         f"{'op':4} {'block':>8} {'batch':>5} {'store GB/s':>10} {'client GB/s':>11} "
-        f"{'ratio':>6} {'target':>8} {'CPU ms store':>12} {'client':>7}"
+        f"{'ratio':>6} {'target':>8} {'CPU ms store':>12} {'client':>7} "
+        f"{'server CPU ms, store':>20} {'client':>7}"
     ]
     for row in result["throughput"]:  # type: ignore[attr-defined]
         verdict = f"{row['target']:.0%} " + ("ok" if row["met"] else "MISS")
         lines.append(
             f"{row['operation']:4} {row['block_bytes'] // KiB:>5}KiB {row['batch']:>5} "
             f"{row['store_gbps']:10.3f} {row['client_gbps']:11.3f} {row['ratio']:6.0%} "
-            f"{verdict:>8} {row['store_cpu_ms']:12.2f} {row['client_cpu_ms']:7.2f}"
+            f"{verdict:>8} {row['store_cpu_ms']:12.2f} {row['client_cpu_ms']:7.2f} "
+            f"{_ms(row['store_server_cpu_ms']):>20} {_ms(row['client_server_cpu_ms']):>7}"
         )
     lines += ["", f"{'op':4} {'block':>8} {'batch':>5} {'allocated/byte store':>21} "
               f"{'client':>7} {'store copied':>13}"]  # fmt: skip
@@ -359,9 +399,11 @@ def run(quick: bool) -> dict[str, object]:
     with ValkeyServer() as server:
         store = ValkeyStore(server.url, namespace={"benchmark": "remote"}, timeout_s=30)
         client = valkey.Valkey.from_url(server.url, socket_timeout=30)
+        assert server.process is not None
+        server_pid = server.process.pid
         rows: list[Throughput] = []
         for block_bytes, batch in QUICK_CASES if quick else CASES:
-            rows += throughput(store, client, block_bytes, batch, samples)
+            rows += throughput(store, client, block_bytes, batch, samples, server_pid)
             client.flushall()
         copied: list[Copies] = []
         for block_bytes, batch in QUICK_CASES:
