@@ -27,6 +27,7 @@ from kvoffload.transfer import (
 from kvoffload.transfer import pool as pool_module
 from kvoffload.transfer.copiers import (
     ROWS_BELOW,
+    SPAN_BELOW,
     SPAN_RUNS_AT_LEAST,
     SPAN_UNIT_AT_LEAST,
     MemmoveCopier,
@@ -712,19 +713,19 @@ def test_the_cpu_default_copies_small_runs_as_rows_and_large_ones_by_memmove() -
     assert used == ["small", "small", "large"]
 
 
-def test_layers_of_one_storage_take_the_span_path_one_call_per_pool_span() -> None:
-    """Layers cut from one buffer at page-aligned offsets: 16 KiB rows across all of them,
-    so a store of random blocks is one numpy call per CPU block, byte-exact both ways."""
-    buffer = torch.randint(0, 256, (5 * 20 * 16384,), dtype=torch.uint8)
-    layers = [buffer[i * 20 * 16384 : (i + 1) * 20 * 16384].view(20, 16384) for i in (4, 0, 2)]
-    original = [layer.clone() for layer in layers]
-    engine = TransferEngine(KVLayout(layers), CpuBlockPool(3 * 16384, 10))
+def span_of(engine: TransferEngine) -> SpanCopier:
+    """The default CPU copier's span path, made to take every job: by default a job of
+    fewer than SPAN_RUNS_AT_LEAST runs goes by memmove, and these tests' jobs are small."""
     span = engine._backend._copier.large  # type: ignore[attr-defined]
-    assert isinstance(span, SpanCopier) and span.gathers and span.scatters
-    assert span.unit == span.width == 16384
-    assert span.fewest_runs == SPAN_RUNS_AT_LEAST  # a job of 4 runs would go by memmove...
-    span.fewest_runs = 1  # ...so this one takes the span path on purpose
-    taken: list[int] = []  # rows per numpy call (its span array's ``take`` method)
+    assert isinstance(span, SpanCopier)
+    assert (span.fewest_runs, span.below) == (SPAN_RUNS_AT_LEAST, SPAN_BELOW)
+    span.fewest_runs = 1
+    return span
+
+
+def count_takes(span: SpanCopier) -> list[int]:
+    """Rows per numpy gather (its span array's ``take`` method), appended as they come."""
+    taken: list[int] = []
 
     class Counted:
         def __init__(self, rows: Any) -> None:
@@ -734,17 +735,36 @@ def test_layers_of_one_storage_take_the_span_path_one_call_per_pool_span() -> No
             taken.append(len(indices))
             return self.rows.take(indices, *args)
 
-    rows = span._rows
-    span._rows = Counted(rows)  # type: ignore[assignment]
+    span._rows = Counted(span._rows)  # type: ignore[assignment]
+    return taken
+
+
+def store_zero_and_load_back(engine: TransferEngine, layers: list[torch.Tensor]) -> None:
+    """Device blocks 19, 3, 7, 0 into CPU blocks 8, 1, 2, 5; every layer zeroed; the CPU
+    blocks back into device blocks 10-13: byte-exact, and nothing else written."""
+    original = [layer.clone() for layer in layers]
     finish(engine, engine.submit_store([19, 3, 7, 0], [8, 1, 2, 5]))
-    span._rows = rows
-    assert taken == [6, 3, 3]  # CPU blocks 1 and 2 are one stretch of the pool, 5 and 8 two more
     for layer in layers:
         layer.zero_()
     finish(engine, engine.submit_load([2, 8, 5, 1], [10, 11, 12, 13]))
     for layer, before in zip(layers, original, strict=True):
         assert torch.equal(layer[[10, 11, 12, 13]], before[[7, 19, 0, 3]])
         assert not layer[[*range(10), *range(14, 20)]].any()
+
+
+def test_layers_of_one_storage_take_the_span_path_one_call_per_pool_span() -> None:
+    """Layers cut from one buffer at page-aligned offsets: 16 KiB rows across all of them,
+    so a store of random blocks is one numpy call per CPU block, byte-exact both ways."""
+    buffer = torch.randint(0, 256, (5 * 20 * 16384,), dtype=torch.uint8)
+    layers = [buffer[i * 20 * 16384 : (i + 1) * 20 * 16384].view(20, 16384) for i in (4, 0, 2)]
+    engine = TransferEngine(KVLayout(layers), CpuBlockPool(3 * 16384, 10))
+    span = span_of(engine)
+    assert span.gathers and span.scatters
+    assert span.unit == span.width == 16384
+    taken = count_takes(span)
+    store_zero_and_load_back(engine, layers)
+    # the store: CPU blocks 1 and 2 are one stretch of the pool, 5 and 8 two more
+    assert taken == [6, 3, 3]
 
 
 def test_layers_64_bytes_apart_load_through_overlapping_items_and_store_by_memmove() -> None:
@@ -757,18 +777,36 @@ def test_layers_64_bytes_apart_load_through_overlapping_items_and_store_by_memmo
         torch.from_numpy(buffer[i * size : i * size + 20 * 16384]).view(20, 16384)
         for i in (3, 0, 1)
     ]
-    original = [layer.clone() for layer in layers]
     engine = TransferEngine(KVLayout(layers), CpuBlockPool(3 * 16384, 10))
-    span = engine._backend._copier.large  # type: ignore[attr-defined]
-    assert isinstance(span, SpanCopier) and span.scatters and not span.gathers
+    span = span_of(engine)
+    assert span.scatters and not span.gathers
     assert (span.unit, span.width) == (64, 16384)
-    finish(engine, engine.submit_store([19, 3, 7, 0], [8, 1, 2, 5]))
-    for layer in layers:
-        layer.zero_()
-    finish(engine, engine.submit_load([2, 8, 5, 1], [10, 11, 12, 13]))
-    for layer, before in zip(layers, original, strict=True):
-        assert torch.equal(layer[[10, 11, 12, 13]], before[[7, 19, 0, 3]])
-        assert not layer[[*range(10), *range(14, 20)]].any()
+    store_zero_and_load_back(engine, layers)
+
+
+def test_the_default_copier_sends_few_or_large_runs_by_memmove_and_many_by_span() -> None:
+    """A job of fewer than SPAN_RUNS_AT_LEAST runs, or of runs of SPAN_BELOW bytes and more,
+    costs the span's planning more than it saves: it goes one memmove per run."""
+    buffer = torch.randint(0, 256, (2 * 400 * 16384,), dtype=torch.uint8)
+    layers = [buffer[i * 400 * 16384 : (i + 1) * 400 * 16384].view(400, 16384) for i in (1, 0)]
+    engine = TransferEngine(KVLayout(layers), CpuBlockPool(2 * 16384, 400))
+    span = engine._backend._copier.large  # type: ignore[attr-defined]
+    assert isinstance(span, SpanCopier) and span.gathers
+    taken = count_takes(span)
+    blocks = SPAN_RUNS_AT_LEAST // 2  # two layers: one run per layer and block
+    few = list(range(0, 2 * (blocks - 1), 2))  # every other block: no two runs coalesce
+    finish(engine, engine.submit_store(few, few))
+    assert taken == []
+    many = list(range(0, 2 * blocks, 2))
+    finish(engine, engine.submit_store(many, many))
+    assert sum(taken) == 2 * blocks  # one row per run, each in a span's gather
+    for block in many:
+        assert torch.equal(engine.pool.tensor[block].view(2, 16384)[0], layers[0][block])
+    span.below = 16384  # every run now counts as large
+    taken.clear()
+    finish(engine, engine.submit_store(many, [block + 1 for block in many]))
+    assert taken == []
+    assert torch.equal(engine.pool.tensor[many[-1] + 1].view(2, 16384)[1], layers[1][many[-1]])
 
 
 def test_layouts_of_narrow_rows_keep_memmove_for_every_job() -> None:
