@@ -72,9 +72,13 @@ class MemmoveCopier:
         self._pool_address = pool.flat.data_ptr()
         self._pool_end = pool.flat.numel()
 
+    def check_bounds(self, runs: CopyRuns) -> None:
+        """:func:`require_in_bounds` against this layout's storages and this pool."""
+        require_in_bounds(runs, self._segment_end, self._pool_end)
+
     def copy(self, job: Job, hook: FaultHook | None) -> None:
         runs = job.runs
-        require_in_bounds(runs, self._segment_end, self._pool_end)
+        self.check_bounds(runs)
         device = (self._segment_address[runs.segment] + runs.device_offset).tolist()
         cpu = (runs.cpu_offset + self._pool_address).tolist()
         src, dst = (device, cpu) if job.direction is Direction.STORE else (cpu, device)
@@ -165,11 +169,9 @@ class SpanCopier:
         )
         storage_at = np.array([(p - low) // self.unit for p in pointers], dtype=np.int64)
         self._segment_at = storage_at[storage_of_segment]  # in units from the span's start
-        self._segment_end = np.array([s.numel() for s in _segment_storages(layout)], np.int64)
         self._pool_rows = _void_rows(pool.flat, self.unit)
         self._pool_items = _void_rows(pool.flat, self.width)
-        self._pool_end = pool.flat.numel()
-        self._memmove = MemmoveCopier(layout, pool)
+        self._memmove = MemmoveCopier(layout, pool)  # its fallback, and its bounds check
 
     @property
     def usable(self) -> bool:
@@ -189,7 +191,7 @@ class SpanCopier:
         ):
             self._memmove.copy(job, None)
             return
-        require_in_bounds(runs, self._segment_end, self._pool_end)
+        self._memmove.check_bounds(runs)
         # Every numpy call here costs ~5-10 us, not ~1: the previous job's copy has flushed
         # the caches. So the usual job, runs of one size (one per layer and block), takes
         # the path of fewest calls; mixed sizes (merged runs of consecutive ids) the general.
@@ -227,10 +229,6 @@ class SpanCopier:
             spread, pool = self._items, self._pool_items
             for first, start, end in zip(firsts, starts, ends, strict=True):
                 spread[items[start:end]] = pool[at[first] : at[first] + end - start]
-
-
-def _segment_storages(layout: KVLayout) -> list[torch.Tensor]:
-    return [layout.storages[s.tensor_index] for s in layout.segments]
 
 
 class RowCopier:
