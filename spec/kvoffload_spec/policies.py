@@ -228,7 +228,7 @@ def sample_hash(key: Key) -> int:
 
 def in_sample(key: Key, rate: int) -> bool:
     """Whether a shadow sampling one key in ``rate`` simulates ``key``."""
-    return sample_hash(key) % rate == 0
+    return rate == 1 or sample_hash(key) % rate == 0  # small pools sample every key
 
 
 @dataclass

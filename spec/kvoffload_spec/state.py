@@ -5,9 +5,13 @@ so that a checker (CrossHair) can build arbitrary states; :func:`invariant_viola
 which of them are reachable-shaped. Each transition opens with ``assert`` preconditions (what
 the caller, :class:`~kvoffload_spec.model.OffloadModel`, has validated) and closes with
 ``assert`` postconditions. Those asserts are the contract, not input validation: the public
-model raises typed errors before it ever calls a transition. What a postcondition compares
-with (a snapshot taken before the change) is taken only ``if __debug__``: under
-``python -O`` the asserts are gone, and so is their cost.
+model raises typed errors before it ever calls a transition. One precondition is common to
+every transition and not asserted at its entry: the state satisfies every invariant. Each
+checker that drives a state (the explorer, the lockstep driver, the CrossHair contracts)
+checks ``invariant_violations`` after every call, so the state a transition starts from has
+been checked already; asserting it again at each entry doubled the checkers' largest cost.
+What a postcondition compares with (a snapshot taken before the change) is taken only
+``if __debug__``: under ``python -O`` the asserts are gone, and so is their cost.
 
 Block states::
 
@@ -193,14 +197,13 @@ class SpecState:
     def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
         """Plan to store the absent ``keys``, evicting what the policy chooses to make room.
 
-        Pre: the state satisfies every invariant.
+        Pre: the state satisfies every invariant (checked after the previous call).
         Post, on None: no cache state changed (only the observations may have: the offer
         tracker, and ARC's ghost hits).
         Post, on a plan: victims were ready, unpinned and not among ``keys``; they are now
         absent; the candidates are pending in the lowest free block ids, in call order; the
         evictable counter dropped by exactly the number of victims.
         """
-        assert not invariant_violations(self)
         distinct = list(dict.fromkeys(keys))
         absent = [key for key in distinct if key not in self.blocks]
         resident = [key for key in distinct if key in self.blocks]
@@ -268,7 +271,6 @@ class SpecState:
         absent with its block id free (failure).
         """
         assert self.open_plans.get(plan.plan_id) == plan
-        assert not invariant_violations(self)
         del self.open_plans[plan.plan_id]
         if plan.plan_id in self.abandoned:
             for block_id in self.abandoned.pop(plan.plan_id):
@@ -304,7 +306,6 @@ class SpecState:
         number of distinct keys that had no refs before.
         """
         assert all(self.lookup(key) is Lookup.HIT for key in keys)
-        assert not invariant_violations(self)
         newly_pinned = 0
         if __debug__:
             newly_pinned = sum(1 for key in set(keys) if self.blocks[key].refs == 0)
@@ -334,7 +335,6 @@ class SpecState:
         with no refs is evictable again.
         """
         assert self.open_plans.get(plan.plan_id) == plan
-        assert not invariant_violations(self)
         del self.open_plans[plan.plan_id]
         if self.abandoned.pop(plan.plan_id, None) is None and plan.generation == self.generation:
             self._unpin(plan)
@@ -366,7 +366,6 @@ class SpecState:
         """
         assert self.open_plans.get(plan.plan_id) == plan
         assert plan.plan_id not in self.abandoned
-        assert not invariant_violations(self)
         free_before = list(self.free_block_ids) if __debug__ else []
         quarantine: list[int] = []
         dropped: list[Key] = []
@@ -389,7 +388,6 @@ class SpecState:
         Post: the same blocks in the same states; only the policy's order (and ARC's
         target) changed.
         """
-        assert not invariant_violations(self)
         before = repr(self.blocks) if __debug__ else ""
         self.order.touch(keys, lambda key: self.blocks[key].ready)
         assert repr(self.blocks) == before
@@ -401,7 +399,6 @@ class SpecState:
         still write those), nothing is evictable, the open plans are still open (each must
         still be completed once; doing so changes nothing but end a quarantine).
         """
-        assert not invariant_violations(self)
         ready = sorted((k for k, b in self.blocks.items() if b.ready), key=self._block_id_of)
         self._emit(BlocksRemoved(tuple(ready), RemovalReason.RESET))
         self.blocks.clear()
