@@ -1,7 +1,8 @@
 """CrossHair checks the spec's transitions, assert contracts included, on every small state.
 
-One ``crosshair check --analysis_kind=asserts`` per target (a transition under LRU or ARC,
-spec/kvoffload_spec/contracts.py), two at a time. Three kinds of run:
+``crosshair check --analysis_kind=asserts`` on each target (a transition under LRU, ARC or
+the duel, spec/kvoffload_spec/contracts.py), the targets of one class in one process, two
+processes at a time (tests/crosshair_runs.py). Three kinds of run:
 
 - the spec: no counterexample within the time budget;
 - canaries: the spec with ``assert False`` after each check's postcondition. CrossHair must
@@ -65,7 +66,7 @@ def write_canaries(directory: Path) -> str:
 def runs(
     tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
 ) -> Iterator[dict[str, Run]]:
-    """Every CrossHair run of this module, two at a time (the machine has two cores)."""
+    """Every CrossHair run of this module, two processes at a time (two cores)."""
     scratch = tmp_path_factory.mktemp("crosshair")
     jobs = [(target, SPEC_TIMEOUT) for target in spec_targets()]
     jobs += [(target, FIND_TIMEOUT) for target in spec_targets(write_canaries(scratch))]

@@ -1,8 +1,8 @@
 """CrossHair checks the contracts of ``kvoffload.checking.contracts`` on the production manager.
 
-One ``crosshair check --analysis_kind=asserts`` per target (a ``check_*`` method of
+``crosshair check --analysis_kind=asserts`` on each target (a ``check_*`` method of
 ``LruChecks``, ``ArcChecks`` or ``DuelChecks``: one operation, checked as the commuting
-square of the refinement mapping), two at a time, with the runner of tests/test_crosshair.py.
+square of the refinement mapping), with the runner of tests/test_crosshair.py.
 Three kinds of run, as there:
 
 - the manager: no counterexample within the time budget;
@@ -86,7 +86,7 @@ PLANTED = {
 def runs(
     tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
 ) -> Iterator[dict[str, Run]]:
-    """Every CrossHair run of this module, two at a time (the machine has two cores)."""
+    """Every CrossHair run of this module, two processes at a time (two cores)."""
     scratch = tmp_path_factory.mktemp("crosshair_manager")
     jobs = [(target, SECONDS_PER_TARGET) for target in targets()]
     jobs += [(target, SECONDS_TO_FIND) for target in targets(write_canaries(scratch))]
