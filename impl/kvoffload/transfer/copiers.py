@@ -45,6 +45,16 @@ SPAN_UNIT_AT_LEAST = 4096
 # 5-10 points faster; a 1 MiB memmove spends well under 1% of its time on the call.
 SPAN_RUNS_AT_LEAST = 128
 SPAN_BELOW = 1 << 20
+# A store's span gathers rows of SpanCopier.unit bytes, and numpy's take spends one memmove
+# on each: where the storages share only a 4 KiB grid (separate allocations), a 64 KiB run
+# is 16 of them, which cost more than one Python-level memmove call for the whole run.
+# Stores of runs averaging this many rows or more therefore go one memmove per run.
+# Measured on our 2-core machines, 8 separate layers x 64 random blocks (storages 4 KiB
+# apart modulo 64 KiB), CPU time against the plain copy, span against memmove, two engines
+# side by side: 16 KiB runs (4 rows) 52-56% against 47%, 32 KiB (8 rows) 65-68% against
+# 58-64%, 64 KiB (16 rows) 79-86% against 87-90% (three runs), 256 KiB (64 rows) 89-94%
+# against 107-109%.
+SPAN_GATHER_ROWS_BELOW = 16
 
 # ``ctypes.memmove`` returns the destination as a new Python int; the same C function
 # declared to return nothing saves ~0.12 us of its ~0.5 us per call, which 64 KiB runs
@@ -138,9 +148,11 @@ class SpanCopier:
     ``memmove`` per run instead (``gathers`` and ``scatters`` tell which take the span), and
     so do jobs of fewer than ``fewest_runs`` runs or of runs averaging ``below`` bytes or
     more: there the ~20 numpy calls of planning the spans cost more than the memmove calls
-    they save (the engine's default copier sets all three, SPAN_*). So does every job when
-    the pool lies inside the storages' address range: numpy's overlap checks go by bounds,
-    and would copy through a temporary.
+    they save. So do stores whose runs average ``gather_rows_below`` rows of ``unit`` bytes
+    or more: numpy's take moves each row with a memmove of its own, and a run of many rows
+    costs more so than by one memmove call (the engine's default copier sets all four,
+    SPAN_*). So does every job when the pool lies inside the storages' address range:
+    numpy's overlap checks go by bounds, and would copy through a temporary.
     """
 
     def __init__(
@@ -151,6 +163,7 @@ class SpanCopier:
         narrowest: int = 1,
         fewest_runs: int = 1,
         below: int | None = None,
+        gather_rows_below: int | None = None,
     ) -> None:
         storage_of_segment, distinct = distinct_storages(layout)
         pointers = [storage.data_ptr() for storage in distinct]
@@ -161,6 +174,7 @@ class SpanCopier:
         pool_low = pool.flat.data_ptr()
         apart = pool_low + pool.flat.numel() <= low or pool_low >= high
         self.fewest_runs, self.below = fewest_runs, below
+        self.gather_rows_below = gather_rows_below
         self.gathers = apart and self.unit >= narrowest
         self.scatters = apart and self.width >= narrowest
         memory = memoryview((ctypes.c_char * (high - low)).from_address(low))
@@ -191,10 +205,12 @@ class SpanCopier:
             return
         fault_up_front(job, hook)  # either way, as for every batched copier
         store = job.direction is Direction.STORE
+        rows_below = self.gather_rows_below if store else None
         if (
             not (self.gathers if store else self.scatters)
             or len(runs) < self.fewest_runs
             or (self.below is not None and runs.total_bytes >= self.below * len(runs))
+            or (rows_below is not None and runs.total_bytes >= rows_below * self.unit * len(runs))
         ):
             self._memmove.copy(job, None)
             return
