@@ -209,8 +209,8 @@ class SpanCopier:
         if (
             not (self.gathers if store else self.scatters)
             or len(runs) < self.fewest_runs
-            or (self.below is not None and runs.total_bytes >= self.below * len(runs))
-            or (rows_below is not None and runs.total_bytes >= rows_below * self.unit * len(runs))
+            or (self.below is not None and job.nbytes >= self.below * len(runs))
+            or (rows_below is not None and job.nbytes >= rows_below * self.unit * len(runs))
         ):
             self._memmove.copy(job, None)
             return
@@ -279,7 +279,7 @@ class RowCopier:
         unit = self.unit
         device_row, cpu_row = runs.device_offset // unit, runs.cpu_offset // unit
         storage = self._storage_of_segment[runs.segment]
-        if runs.total_bytes != len(runs) * unit:  # some runs are several rows long
+        if job.nbytes != len(runs) * unit:  # some runs are several rows long
             lengths = runs.nbytes // unit
             device_row = expand_runs(device_row, lengths)
             cpu_row = expand_runs(cpu_row, lengths)
