@@ -52,8 +52,8 @@ SPAN_BELOW = 1 << 20
 # Measured on our 2-core machines, 8 separate layers x 64 random blocks (storages 4 KiB
 # apart modulo 64 KiB), CPU time against the plain copy, span against memmove, two engines
 # side by side: 16 KiB runs (4 rows) 52-56% against 47%, 32 KiB (8 rows) 65-68% against
-# 58-64%, 64 KiB (16 rows) 79-86% against 87-90% (three runs), 256 KiB (64 rows) 89-94%
-# against 107-109%.
+# 58-64%, 64 KiB (16 rows) 79-86% against 87-90% (three runs); 256 KiB (64 rows) even or
+# better (docs/performance.md).
 SPAN_GATHER_ROWS_BELOW = 16
 
 # ``ctypes.memmove`` returns the destination as a new Python int; the same C function
