@@ -28,6 +28,7 @@ from kvoffload.transfer import pool as pool_module
 from kvoffload.transfer.copiers import (
     ROWS_BELOW,
     SPAN_BELOW,
+    SPAN_GATHER_ROWS_BELOW,
     SPAN_RUNS_AT_LEAST,
     SPAN_UNIT_AT_LEAST,
     MemmoveCopier,
@@ -719,6 +720,7 @@ def span_of(engine: TransferEngine) -> SpanCopier:
     span = engine._backend._copier.large  # type: ignore[attr-defined]
     assert isinstance(span, SpanCopier)
     assert (span.fewest_runs, span.below) == (SPAN_RUNS_AT_LEAST, SPAN_BELOW)
+    assert span.gather_rows_below == SPAN_GATHER_ROWS_BELOW
     span.fewest_runs = 1
     return span
 
@@ -782,6 +784,40 @@ def test_layers_64_bytes_apart_load_through_overlapping_items_and_store_by_memmo
     assert span.scatters and not span.gathers
     assert (span.unit, span.width) == (64, 16384)
     store_zero_and_load_back(engine, layers)
+
+
+def test_stores_of_runs_of_many_rows_go_by_memmove_and_loads_still_by_span() -> None:
+    """Layers that share only a 4 KiB grid (as separate allocations do): a 64 KiB run would
+    be 16 rows of a store's gather, so stores go one memmove per run; loads still scatter
+    one 64 KiB item per run. Byte-exact both ways, and again with every store by span."""
+    block = 16 * 4096
+    size = 20 * block + 4096  # each layer one page further off the 64 KiB grid
+    buffer = np.random.default_rng(4).integers(0, 256, 3 * size, dtype=np.uint8)
+    layers = [
+        torch.from_numpy(buffer[i * size : i * size + 20 * block]).view(20, block)
+        for i in (2, 0, 1)
+    ]
+    engine = TransferEngine(KVLayout(layers), CpuBlockPool(3 * block, 10))
+    span = span_of(engine)
+    assert span.gathers and span.scatters
+    assert (span.unit, span.width) == (4096, block)
+    assert block // span.unit >= SPAN_GATHER_ROWS_BELOW
+    taken = count_takes(span)
+    moved: list[Direction] = []
+    memmove = span._memmove.copy
+
+    def record(job: Job, hook: FaultHook | None) -> None:
+        moved.append(job.direction)
+        memmove(job, hook)
+
+    span._memmove.copy = record  # type: ignore[method-assign]
+    store_zero_and_load_back(engine, layers)
+    assert taken == [] and moved == [Direction.STORE]
+    span.gather_rows_below = None  # every store by span: 16 rows per run, one call per span
+    for layer in layers:
+        layer.copy_(torch.randint(0, 256, layer.shape, dtype=torch.uint8))
+    store_zero_and_load_back(engine, layers)
+    assert taken == [16 * 6, 16 * 3, 16 * 3] and moved == [Direction.STORE]
 
 
 def test_the_default_copier_sends_few_or_large_runs_by_memmove_and_many_by_span() -> None:

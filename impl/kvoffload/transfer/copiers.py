@@ -45,16 +45,33 @@ SPAN_UNIT_AT_LEAST = 4096
 # 5-10 points faster; a 1 MiB memmove spends well under 1% of its time on the call.
 SPAN_RUNS_AT_LEAST = 128
 SPAN_BELOW = 1 << 20
+# A store's span gathers rows of SpanCopier.unit bytes, and numpy's take spends one memmove
+# on each: where the storages share only a 4 KiB grid (separate allocations), a 64 KiB run
+# is 16 of them, which cost more than one Python-level memmove call for the whole run.
+# Stores of runs averaging this many rows or more therefore go one memmove per run.
+# Measured on our 2-core machines, 8 separate layers x 64 random blocks (storages 4 KiB
+# apart modulo 64 KiB), CPU time against the plain copy, span against memmove, two engines
+# side by side: 16 KiB runs (4 rows) 52-56% against 47%, 32 KiB (8 rows) 65-68% against
+# 58-64%, 64 KiB (16 rows) 79-86% against 87-90% (three runs); 256 KiB (64 rows) even or
+# better (docs/performance.md).
+SPAN_GATHER_ROWS_BELOW = 16
 
 # ``ctypes.memmove`` returns the destination as a new Python int; the same C function
 # declared to return nothing saves ~0.12 us of its ~0.5 us per call, which 64 KiB runs
-# (~3 us each) notice. CFUNCTYPE prototypes release the GIL during the call.
+# (~3 us each) notice. The size is declared ``c_void_p`` where a pointer and a ``size_t``
+# have the same size (C calling conventions then pass the two alike): ctypes
+# converts an int to a pointer directly, to a ``c_size_t`` through its generic path, which
+# measured ~0.07-0.19 us more per call (512 calls of 8 bytes, two runs: 0.30 and 0.45 us
+# against 0.37 and 0.64). CFUNCTYPE prototypes release the GIL during the call.
 _memmove_address = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
 if _memmove_address is None:  # a ctypes without its own memmove: calling 0 would crash
     raise ImportError("ctypes.memmove has no address")
-_memmove = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
-    _memmove_address
+_size_t = (
+    ctypes.c_void_p
+    if ctypes.sizeof(ctypes.c_void_p) == ctypes.sizeof(ctypes.c_size_t)
+    else ctypes.c_size_t
 )
+_memmove = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, _size_t)(_memmove_address)
 
 
 class Copier(Protocol):
@@ -131,9 +148,11 @@ class SpanCopier:
     ``memmove`` per run instead (``gathers`` and ``scatters`` tell which take the span), and
     so do jobs of fewer than ``fewest_runs`` runs or of runs averaging ``below`` bytes or
     more: there the ~20 numpy calls of planning the spans cost more than the memmove calls
-    they save (the engine's default copier sets all three, SPAN_*). So does every job when
-    the pool lies inside the storages' address range: numpy's overlap checks go by bounds,
-    and would copy through a temporary.
+    they save. So do stores whose runs average ``gather_rows_below`` rows of ``unit`` bytes
+    or more: numpy's take moves each row with a memmove of its own, and a run of many rows
+    costs more so than by one memmove call (the engine's default copier sets all four,
+    SPAN_*). So does every job when the pool lies inside the storages' address range:
+    numpy's overlap checks go by bounds, and would copy through a temporary.
     """
 
     def __init__(
@@ -144,6 +163,7 @@ class SpanCopier:
         narrowest: int = 1,
         fewest_runs: int = 1,
         below: int | None = None,
+        gather_rows_below: int | None = None,
     ) -> None:
         storage_of_segment, distinct = distinct_storages(layout)
         pointers = [storage.data_ptr() for storage in distinct]
@@ -154,6 +174,7 @@ class SpanCopier:
         pool_low = pool.flat.data_ptr()
         apart = pool_low + pool.flat.numel() <= low or pool_low >= high
         self.fewest_runs, self.below = fewest_runs, below
+        self.gather_rows_below = gather_rows_below
         self.gathers = apart and self.unit >= narrowest
         self.scatters = apart and self.width >= narrowest
         memory = memoryview((ctypes.c_char * (high - low)).from_address(low))
@@ -184,10 +205,12 @@ class SpanCopier:
             return
         fault_up_front(job, hook)  # either way, as for every batched copier
         store = job.direction is Direction.STORE
+        rows_below = self.gather_rows_below if store else None
         if (
             not (self.gathers if store else self.scatters)
             or len(runs) < self.fewest_runs
-            or (self.below is not None and runs.total_bytes >= self.below * len(runs))
+            or (self.below is not None and job.nbytes >= self.below * len(runs))
+            or (rows_below is not None and job.nbytes >= rows_below * self.unit * len(runs))
         ):
             self._memmove.copy(job, None)
             return
@@ -256,7 +279,7 @@ class RowCopier:
         unit = self.unit
         device_row, cpu_row = runs.device_offset // unit, runs.cpu_offset // unit
         storage = self._storage_of_segment[runs.segment]
-        if runs.total_bytes != len(runs) * unit:  # some runs are several rows long
+        if job.nbytes != len(runs) * unit:  # some runs are several rows long
             lengths = runs.nbytes // unit
             device_row = expand_runs(device_row, lengths)
             cpu_row = expand_runs(cpu_row, lengths)

@@ -18,6 +18,7 @@ from kvoffload.transfer.copiers import (
     ROWS_AT_LEAST,
     ROWS_BELOW,
     SPAN_BELOW,
+    SPAN_GATHER_ROWS_BELOW,
     SPAN_RUNS_AT_LEAST,
     SPAN_UNIT_AT_LEAST,
     Copier,
@@ -270,6 +271,7 @@ def _backend_for(
             narrowest=SPAN_UNIT_AT_LEAST,
             fewest_runs=SPAN_RUNS_AT_LEAST,
             below=SPAN_BELOW,
+            gather_rows_below=SPAN_GATHER_ROWS_BELOW,
         )
         large: Copier = span if span.usable else MemmoveCopier(layout, pool)
         cpu: Copier = ThresholdCopier(RowCopier(layout, pool), large, below=ROWS_BELOW)

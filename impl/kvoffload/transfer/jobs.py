@@ -24,7 +24,7 @@ class Job:
     job_id: int
     direction: Direction
     runs: CopyRuns
-    nbytes: int  # what the runs add up to
+    nbytes: int  # what the runs add up to: the copiers choose their path by it, not by a sum
 
 
 @dataclass(frozen=True)
