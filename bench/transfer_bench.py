@@ -16,8 +16,10 @@ baseline. On CUDA it is ``cudaMemcpyAsync`` (``copy_``) from or to the pinned po
 
 Every contender of a row (the baselines, each layout's engine, and with ``--compare`` the
 engines of another checkout) shares the row's buffers and pool and is sampled in the same
-loop: the contenders alternate, their order rotates, and each figure is the median of its
-16 samples, so that a neighbour's burst on the shared 2-core machine hits all alike. Every
+loop: the contenders alternate, in a new random order for each sample (a fixed rotation had
+each follow nearly always the same one, whose copy flushed the caches it then paid for), and
+each figure is the median of its 16 samples, so that a neighbour's burst on the shared
+2-core machine hits all alike. Every
 sample moves other blocks than the one before (ids and the baseline's offsets rotate
 through buffers of 256 MiB and more), so nothing runs from the cache. Each sample submits
 enough jobs to move ~16 MiB (one job when it is bigger) and waits for them. Read each
@@ -216,6 +218,7 @@ class Bench:
                 self.engines[impl.name, name] = impl.engine(layout, self.pool, copier=copier)
         self.device_flat = self.cache.view(-1)
         self.rng = np.random.default_rng(0)
+        self.order_rng = np.random.default_rng(1)  # apart: the ids stay as they were
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -233,8 +236,12 @@ class Bench:
         id_sets = self._id_sets(batch, ids, jobs * self.reps * len(names))
         seconds: dict[str | tuple[str, str], list[tuple[float, float]]] = {n: [] for n in names}
         for rep in range(self.reps):
-            turn = rep % len(names)
-            for slot, name in enumerate(names[turn:] + names[:turn]):
+            # A new order for each sample: in a rotation each contender nearly always follows
+            # the same one, and a job right after another's copy of other bytes pays for the
+            # caches that copy flushed (a store after the memmove baseline measured 220-270
+            # us more than after another store), which biased the rows it follows.
+            order = self.order_rng.permutation(len(names))
+            for slot, name in enumerate(names[int(index)] for index in order):
                 first = (rep * len(names) + slot) * jobs
                 if isinstance(name, str):
                     starts = self._starts([(first + j) * nbytes for j in range(jobs)], nbytes)
