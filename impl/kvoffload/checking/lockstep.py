@@ -225,7 +225,11 @@ class Lockstep:
         """Carry on with deep copies: plans issued before must still complete on them."""
         self._record("copy.deepcopy(system): the calls go on on the copy", None)
         self.system = copy.deepcopy(self.system)
-        self.model = copy.deepcopy(self.model)
+        # The model's state by copy_state, a deep copy that shares only the immutable plans,
+        # events and keys: ~20x faster than deepcopy, and only the system's copy is on test.
+        model = copy.copy(self.model)  # its class (a broken model's too) and its settings
+        model.state = copy_state(self.model.state)
+        self.model = model
 
     # -- after every call ------------------------------------------------------------------
 
