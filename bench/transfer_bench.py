@@ -19,15 +19,15 @@ engines of another checkout) shares the row's buffers and pool and is sampled in
 loop: the contenders alternate, in a new random order for each sample (a fixed rotation had
 each follow nearly always the same one, whose copy flushed the caches it then paid for), and
 each figure is the median of its 16 samples, so that a neighbour's burst on the shared
-2-core machine hits all alike. Every
-sample moves other blocks than the one before (ids and the baseline's offsets rotate
-through buffers of 256 MiB and more), so nothing runs from the cache. Each sample submits
-enough jobs to move ~16 MiB (one job when it is bigger) and waits for them. Read each
-row's ratio rather than its absolute figures. Each ratio is given twice: by wall time
-(``ratio``) and by the measuring thread's CPU time (``cpu``, ``thread_time``): on the CPU
-the jobs run on the calling thread, so the two differ by the time the neighbours took the
-core, which the CPU-time ratio leaves out. A target counts as met when both reach it (on
-CUDA, where the host's CPU time says nothing about the copies, when the wall-time one does).
+2-core machine hits all alike. Every sample moves other blocks than the one before (ids and
+the baseline's offsets rotate through buffers of 256 MiB and more), so nothing runs from
+the cache. Each sample submits enough jobs to move ~16 MiB (one job when it is bigger)
+and waits for them. Read each row's ratio rather than its absolute figures. Each ratio is
+given twice: by wall time (``ratio``) and by the measuring thread's CPU time (``cpu``,
+``thread_time``): on the CPU the jobs run on the calling thread, so the two differ by the
+time the neighbours took the core, which the CPU-time ratio leaves out. A target counts as
+met when both reach it (on CUDA, where the host's CPU time says nothing about the copies,
+when the wall-time one does).
 
 ``python bench/transfer_bench.py`` prints a table and writes bench/results/transfer.json;
 ``--json`` prints the JSON instead; ``--quick`` is a smoke run of a few seconds;

@@ -149,8 +149,8 @@ class SpanCopier:
     so do jobs of fewer than ``fewest_runs`` runs or of runs averaging ``below`` bytes or
     more: there the ~20 numpy calls of planning the spans cost more than the memmove calls
     they save. So do stores whose runs average ``gather_rows_below`` rows of ``unit`` bytes
-    or more: numpy's take moves each row with a memmove of its own, and a run of many rows
-    costs more so than by one memmove call (the engine's default copier sets all four,
+    or more: numpy's take moves each row with a memmove of its own, so a run of many rows
+    costs more that way than by one memmove call (the engine's default copier sets all four,
     SPAN_*). So does every job when the pool lies inside the storages' address range:
     numpy's overlap checks go by bounds, and would copy through a temporary.
     """
