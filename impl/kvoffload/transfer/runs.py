@@ -12,6 +12,7 @@ copies of 64 KiB reach ~55%.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -22,24 +23,92 @@ from kvoffload.transfer.layout import KVLayout
 
 IdArray = npt.NDArray[np.int64]
 
+# Jobs of up to this many device ids are sorted into RunPairs in plain Python (a stable
+# sort of lists, ~20-30 us for 64 ids right after a 32 MiB copy has flushed the caches,
+# where numpy's argsort alone measured ~75 us); larger ones by numpy.
+PAIRS_UP_TO = 256
 
-@dataclass(frozen=True)
+
 class CopyRuns:
     """Run ``i`` copies ``nbytes[i]`` bytes between segment ``segment[i]``'s storage at
     ``device_offset[i]`` and the pool at ``cpu_offset[i]`` (direction is the job's).
+
+    A job in which no pair continues another is planned as :class:`RunPairs` instead
+    (``pairs``: one run per row of the layout and pair of ids), which the memmove copier
+    turns into addresses without any numpy call; the columns are then computed on first
+    use, for the copiers that need them. Built from columns, ``pairs`` is None.
     """
 
-    segment: IdArray
-    device_offset: IdArray
-    cpu_offset: IdArray
-    nbytes: IdArray
+    __slots__ = ("_columns", "pairs")
+
+    def __init__(
+        self, segment: IdArray, device_offset: IdArray, cpu_offset: IdArray, nbytes: IdArray
+    ) -> None:
+        self._columns: tuple[IdArray, IdArray, IdArray, IdArray] | None = (
+            segment,
+            device_offset,
+            cpu_offset,
+            nbytes,
+        )
+        self.pairs: RunPairs | None = None
+
+    @classmethod
+    def of_pairs(cls, pairs: RunPairs) -> CopyRuns:
+        runs = cls.__new__(cls)
+        runs._columns = None
+        runs.pairs = pairs
+        return runs
+
+    @property
+    def segment(self) -> IdArray:
+        return self._materialized()[0]
+
+    @property
+    def device_offset(self) -> IdArray:
+        return self._materialized()[1]
+
+    @property
+    def cpu_offset(self) -> IdArray:
+        return self._materialized()[2]
+
+    @property
+    def nbytes(self) -> IdArray:
+        return self._materialized()[3]
 
     def __len__(self) -> int:
+        if self._columns is None and self.pairs is not None:
+            return len(self.pairs.device) * len(self.pairs.mapping.rows)
         return len(self.nbytes)
 
     @property
     def total_bytes(self) -> int:
+        if self._columns is None and self.pairs is not None:
+            return len(self.pairs.device) * self.pairs.mapping.bytes_per_block
         return int(self.nbytes.sum())
+
+    def _materialized(self) -> tuple[IdArray, IdArray, IdArray, IdArray]:
+        if self._columns is None:
+            assert self.pairs is not None  # one of the two is always set
+            self._columns = self.pairs.columns()
+        return self._columns
+
+
+@dataclass(frozen=True)
+class RunPairs:
+    """The runs of a job in which no pair of ids continues another: for each row of
+    ``mapping`` in order, one run per pair, pairs in copy order (sorted by the side that is
+    written). ``device[j]`` is pair ``j``'s device block, ``sub[j]`` its CPU sub-block
+    (``cpu_id * factor + j % factor``).
+    """
+
+    mapping: BlockMapping
+    device: list[int]
+    sub: list[int]
+
+    def columns(self) -> tuple[IdArray, IdArray, IdArray, IdArray]:
+        device = np.array(self.device, dtype=np.int64)
+        sub = np.array(self.sub, dtype=np.int64)
+        return self.mapping.unmerged_columns(device, sub)
 
 
 class BlockMapping:
@@ -47,13 +116,20 @@ class BlockMapping:
 
     Jobs of up to ``small_job`` (segment, block) pairs are planned in plain Python, larger
     ones with numpy: numpy's per-call cost (a few dozen calls, ~20 us) would otherwise be
-    most of the cost of a one-block job. Both give the same runs (a test checks it).
+    most of the cost of a one-block job. Larger jobs of up to ``pairs_up_to`` pairs of ids
+    in which no pair continues another (random ids; always, for separate per-layer tensors
+    with k = 1) are planned as :class:`RunPairs`, sorted in plain Python. All give the same
+    runs (tests check it).
     """
 
-    def __init__(self, layout: KVLayout, factor: int, small_job: int = 32) -> None:
+    def __init__(
+        self, layout: KVLayout, factor: int, small_job: int = 32, pairs_up_to: int = PAIRS_UP_TO
+    ) -> None:
         rows = _rows_of(layout, factor)
         self.factor = factor
         self.small_job = small_job
+        self.pairs_up_to = pairs_up_to
+        self.bytes_per_block = layout.bytes_per_block
         self.cpu_block_bytes = factor * layout.bytes_per_block
         self._segment = np.array([r.segment for r in rows], dtype=np.int64)
         self._base = np.array([r.base for r in rows], dtype=np.int64)
@@ -70,6 +146,7 @@ class BlockMapping:
         # continues the previous one's run in the pool, so the search for runs is skipped.
         self._can_merge = bool(self._packed.any()) and (self._runs_cross_cpu_blocks or factor > 1)
         self._rows = rows
+        self.rows = tuple(rows)
 
     def runs(self, device_ids: IdArray, cpu_ids: IdArray, *, to_cpu: bool) -> CopyRuns:
         """The runs of one job; ids are validated already (``len(device_ids) == factor *
@@ -77,7 +154,27 @@ class BlockMapping:
         """
         if len(device_ids) * len(self._rows) <= self.small_job or not len(device_ids):
             return self._small_runs(device_ids.tolist(), cpu_ids.tolist(), to_cpu)
+        if len(device_ids) <= self.pairs_up_to:
+            pairs = self._pairs(device_ids.tolist(), cpu_ids.tolist(), to_cpu)
+            if pairs is not None:
+                return CopyRuns.of_pairs(pairs)
         return self._vector_runs(device_ids, cpu_ids, to_cpu)
+
+    def _pairs(self, device: list[int], cpu: list[int], to_cpu: bool) -> RunPairs | None:
+        """The job as :class:`RunPairs`, or None where a pair continues the one before."""
+        k = self.factor
+        sub = cpu if k == 1 else [c * k + j for c in cpu for j in range(k)]
+        key = sub if to_cpu else device
+        # Python's sort is stable, as the vector planner's argsort: the same order
+        order = sorted(range(len(key)), key=key.__getitem__)
+        device = [device[i] for i in order]
+        sub = [sub[i] for i in order]
+        if self._can_merge:
+            cross = self._runs_cross_cpu_blocks
+            pairs = pairwise(zip(device, sub, strict=True))
+            if any(d == e - 1 and s == t - 1 and (cross or t % k) for (d, s), (e, t) in pairs):
+                return None
+        return RunPairs(self, device, sub)
 
     def _small_runs(self, device_ids: list[int], cpu_ids: list[int], to_cpu: bool) -> CopyRuns:
         k, block_bytes, cross = self.factor, self.cpu_block_bytes, self._runs_cross_cpu_blocks
@@ -104,13 +201,13 @@ class BlockMapping:
         order = np.argsort(cpu_sub if to_cpu else device_ids, kind="stable")
         device, sub = device_ids[order], cpu_sub[order]
         if not self._can_merge:
-            return self._unmerged_runs(device, sub)
+            return CopyRuns(*self.unmerged_columns(device, sub))
         follows = np.zeros(n, dtype=bool)
         follows[1:] = (device[1:] == device[:-1] + 1) & (sub[1:] == sub[:-1] + 1)
         if not self._runs_cross_cpu_blocks:
             follows[1:] &= sub[1:] % k != 0
         if not follows.any():  # random ids: one run per (row, pair), in that order
-            return self._unmerged_runs(device, sub)
+            return CopyRuns(*self.unmerged_columns(device, sub))
         starts = np.flatnonzero(~(follows & self._packed[:, None]))  # over [segment, block]
         row, block = starts // n, starts % n
         lengths = np.empty_like(starts)
@@ -126,19 +223,22 @@ class BlockMapping:
             nbytes=lengths * self._nbytes[row],
         )
 
-    def _unmerged_runs(self, device: IdArray, sub: IdArray) -> CopyRuns:
-        """What the general case gives when no pair continues another, in fewer calls."""
+    def unmerged_columns(
+        self, device: IdArray, sub: IdArray
+    ) -> tuple[IdArray, IdArray, IdArray, IdArray]:
+        """The columns of the runs when no pair of (``device``, ``sub``), in copy order,
+        continues another: what the general case gives, in fewer calls."""
         k, n = self.factor, len(device)
         if k == 1:
             within = self._cpu_offset[:, None] + sub * self.cpu_block_bytes
         else:
             within = self._cpu_offset[:, None] + (sub // k * self.cpu_block_bytes)
             within += (sub % k) * self._nbytes[:, None]
-        return CopyRuns(
-            segment=np.repeat(self._segment, n),
-            device_offset=(self._base[:, None] + device * self._stride[:, None]).ravel(),
-            cpu_offset=within.ravel(),
-            nbytes=np.repeat(self._nbytes, n),
+        return (
+            np.repeat(self._segment, n),
+            (self._base[:, None] + device * self._stride[:, None]).ravel(),
+            within.ravel(),
+            np.repeat(self._nbytes, n),
         )
 
 
