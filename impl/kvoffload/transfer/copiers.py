@@ -130,7 +130,7 @@ class MemmoveCopier:
         over ready lists. (numpy's arithmetic and ``tolist`` pay the first-call costs of
         their functions too: ~80 us for the same job.)
         """
-        device, sub, k = pairs.device, pairs.sub, pairs.mapping.factor
+        (device, sub), k = pairs.lists(), pairs.mapping.factor
         block = pairs.mapping.cpu_block_bytes
         count = len(device)
         scaled: dict[int, list[int]] = {}  # device offset of each pair, per stride
@@ -165,10 +165,11 @@ def require_pairs_in_bounds(pairs: RunPairs, segment_size: list[int], pool_end: 
     lowest and highest ids do. ``segment_size[s]`` is the byte size of segment ``s``'s
     storage.
     """
-    if not pairs.device:
+    device, sub = pairs.lists()
+    if not device:
         return
-    low, high = min(pairs.device), max(pairs.device)
-    first, last = min(pairs.sub), max(pairs.sub)
+    low, high = min(device), max(device)
+    first, last = min(sub), max(sub)
     k, block = pairs.mapping.factor, pairs.mapping.cpu_block_bytes
     for segment, base, stride, nbytes, cpu_offset, _ in pairs.mapping.rows:
         lowest = first // k * block + cpu_offset + first % k * nbytes

@@ -65,10 +65,14 @@ class CpuBackend:
         return finished
 
     def wait(self, job_ids: Collection[int], timeout: float | None = None) -> bool:
+        if not self._workers:  # every job finished inside its submit
+            return True
         with self._changed:
             return self._changed.wait_for(lambda: self._running.isdisjoint(job_ids), timeout)
 
     def wait_all(self, timeout: float | None = None) -> bool:
+        if not self._workers:
+            return True
         with self._changed:
             return self._changed.wait_for(lambda: not self._running, timeout)
 

@@ -11,8 +11,6 @@ copies of 64 KiB reach ~55%.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from itertools import pairwise
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -23,23 +21,18 @@ from kvoffload.transfer.layout import KVLayout
 
 IdArray = npt.NDArray[np.int64]
 
-# Jobs of up to this many device ids are sorted into RunPairs in plain Python (a stable
-# sort of lists, ~20-30 us for 64 ids right after a 32 MiB copy has flushed the caches,
-# where numpy's argsort alone measured ~75 us); larger ones by numpy.
-PAIRS_UP_TO = 256
-
 
 class CopyRuns:
     """Run ``i`` copies ``nbytes[i]`` bytes between segment ``segment[i]``'s storage at
     ``device_offset[i]`` and the pool at ``cpu_offset[i]`` (direction is the job's).
 
-    A job in which no pair continues another is planned as :class:`RunPairs` instead
+    A job in which no pair continues another may be given as :class:`RunPairs` instead
     (``pairs``: one run per row of the layout and pair of ids), which the memmove copier
-    turns into addresses without any numpy call; the columns are then computed on first
-    use, for the copiers that need them. Built from columns, ``pairs`` is None.
+    turns into addresses without a numpy call; the columns are then computed on first use,
+    for the copiers that need them. Built from columns, ``pairs`` is None.
     """
 
-    __slots__ = ("_columns", "pairs")
+    __slots__ = ("_columns", "_count", "pairs")
 
     def __init__(
         self, segment: IdArray, device_offset: IdArray, cpu_offset: IdArray, nbytes: IdArray
@@ -50,12 +43,14 @@ class CopyRuns:
             cpu_offset,
             nbytes,
         )
+        self._count = len(nbytes)
         self.pairs: RunPairs | None = None
 
     @classmethod
     def of_pairs(cls, pairs: RunPairs) -> CopyRuns:
         runs = cls.__new__(cls)
         runs._columns = None
+        runs._count = len(pairs.device) * len(pairs.mapping.rows)
         runs.pairs = pairs
         return runs
 
@@ -76,9 +71,7 @@ class CopyRuns:
         return self._materialized()[3]
 
     def __len__(self) -> int:
-        if self._columns is None and self.pairs is not None:
-            return len(self.pairs.device) * len(self.pairs.mapping.rows)
-        return len(self.nbytes)
+        return self._count
 
     @property
     def total_bytes(self) -> int:
@@ -89,11 +82,10 @@ class CopyRuns:
     def _materialized(self) -> tuple[IdArray, IdArray, IdArray, IdArray]:
         if self._columns is None:
             assert self.pairs is not None  # one of the two is always set
-            self._columns = self.pairs.columns()
+            self._columns = self.pairs.mapping.unmerged_columns(self.pairs.device, self.pairs.sub)
         return self._columns
 
 
-@dataclass(frozen=True)
 class RunPairs:
     """The runs of a job in which no pair of ids continues another: for each row of
     ``mapping`` in order, one run per pair, pairs in copy order (sorted by the side that is
@@ -101,14 +93,17 @@ class RunPairs:
     (``cpu_id * factor + j % factor``).
     """
 
-    mapping: BlockMapping
-    device: list[int]
-    sub: list[int]
+    __slots__ = ("_lists", "device", "mapping", "sub")
 
-    def columns(self) -> tuple[IdArray, IdArray, IdArray, IdArray]:
-        device = np.array(self.device, dtype=np.int64)
-        sub = np.array(self.sub, dtype=np.int64)
-        return self.mapping.unmerged_columns(device, sub)
+    def __init__(self, mapping: BlockMapping, device: IdArray, sub: IdArray) -> None:
+        self.mapping, self.device, self.sub = mapping, device, sub
+        self._lists: tuple[list[int], list[int]] | None = None
+
+    def lists(self) -> tuple[list[int], list[int]]:
+        """``device`` and ``sub`` as lists of ints (made once)."""
+        if self._lists is None:
+            self._lists = (self.device.tolist(), self.sub.tolist())
+        return self._lists
 
 
 class BlockMapping:
@@ -116,19 +111,16 @@ class BlockMapping:
 
     Jobs of up to ``small_job`` (segment, block) pairs are planned in plain Python, larger
     ones with numpy: numpy's per-call cost (a few dozen calls, ~20 us) would otherwise be
-    most of the cost of a one-block job. Larger jobs of up to ``pairs_up_to`` pairs of ids
-    in which no pair continues another (random ids; always, for separate per-layer tensors
-    with k = 1) are planned as :class:`RunPairs`, sorted in plain Python. All give the same
-    runs (tests check it).
+    most of the cost of a one-block job. Both give the same runs (a test checks it). A
+    numpy-planned job in which no pair continues another (random ids; always, for separate
+    per-layer tensors with k = 1) is returned as :class:`RunPairs`, its columns computed
+    only if a copier asks for them.
     """
 
-    def __init__(
-        self, layout: KVLayout, factor: int, small_job: int = 32, pairs_up_to: int = PAIRS_UP_TO
-    ) -> None:
+    def __init__(self, layout: KVLayout, factor: int, small_job: int = 32) -> None:
         rows = _rows_of(layout, factor)
         self.factor = factor
         self.small_job = small_job
-        self.pairs_up_to = pairs_up_to
         self.bytes_per_block = layout.bytes_per_block
         self.cpu_block_bytes = factor * layout.bytes_per_block
         self._segment = np.array([r.segment for r in rows], dtype=np.int64)
@@ -154,27 +146,7 @@ class BlockMapping:
         """
         if len(device_ids) * len(self._rows) <= self.small_job or not len(device_ids):
             return self._small_runs(device_ids.tolist(), cpu_ids.tolist(), to_cpu)
-        if len(device_ids) <= self.pairs_up_to:
-            pairs = self._pairs(device_ids.tolist(), cpu_ids.tolist(), to_cpu)
-            if pairs is not None:
-                return CopyRuns.of_pairs(pairs)
         return self._vector_runs(device_ids, cpu_ids, to_cpu)
-
-    def _pairs(self, device: list[int], cpu: list[int], to_cpu: bool) -> RunPairs | None:
-        """The job as :class:`RunPairs`, or None where a pair continues the one before."""
-        k = self.factor
-        sub = cpu if k == 1 else [c * k + j for c in cpu for j in range(k)]
-        key = sub if to_cpu else device
-        # Python's sort is stable, as the vector planner's argsort: the same order
-        order = sorted(range(len(key)), key=key.__getitem__)
-        device = [device[i] for i in order]
-        sub = [sub[i] for i in order]
-        if self._can_merge:
-            cross = self._runs_cross_cpu_blocks
-            pairs = pairwise(zip(device, sub, strict=True))
-            if any(d == e - 1 and s == t - 1 and (cross or t % k) for (d, s), (e, t) in pairs):
-                return None
-        return RunPairs(self, device, sub)
 
     def _small_runs(self, device_ids: list[int], cpu_ids: list[int], to_cpu: bool) -> CopyRuns:
         k, block_bytes, cross = self.factor, self.cpu_block_bytes, self._runs_cross_cpu_blocks
@@ -201,13 +173,13 @@ class BlockMapping:
         order = np.argsort(cpu_sub if to_cpu else device_ids, kind="stable")
         device, sub = device_ids[order], cpu_sub[order]
         if not self._can_merge:
-            return CopyRuns(*self.unmerged_columns(device, sub))
+            return CopyRuns.of_pairs(RunPairs(self, device, sub))
         follows = np.zeros(n, dtype=bool)
         follows[1:] = (device[1:] == device[:-1] + 1) & (sub[1:] == sub[:-1] + 1)
         if not self._runs_cross_cpu_blocks:
             follows[1:] &= sub[1:] % k != 0
         if not follows.any():  # random ids: one run per (row, pair), in that order
-            return CopyRuns(*self.unmerged_columns(device, sub))
+            return CopyRuns.of_pairs(RunPairs(self, device, sub))
         starts = np.flatnonzero(~(follows & self._packed[:, None]))  # over [segment, block]
         row, block = starts // n, starts % n
         lengths = np.empty_like(starts)
