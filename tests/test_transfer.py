@@ -359,6 +359,7 @@ def test_jobs_of_ids_that_never_continue_are_planned_as_pairs(kind: str, factor:
         assert addresses == expected
         for column in ("segment", "device_offset", "cpu_offset", "nbytes"):
             assert getattr(runs, column).tolist() == getattr(reference, column).tolist()
+        assert runs.segment is runs.segment  # computed once, on first use
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -32,58 +32,48 @@ class CopyRuns:
     for the copiers that need them. Built from columns, ``pairs`` is None.
     """
 
-    __slots__ = ("_columns", "_count", "pairs")
+    # The columns are plain slots, read at C speed; for runs given as pairs they stay unset
+    # until the first read, which falls through to __getattr__ and computes all four.
+    __slots__ = ("_count", "cpu_offset", "device_offset", "nbytes", "pairs", "segment")
+    segment: IdArray
+    device_offset: IdArray
+    cpu_offset: IdArray
+    nbytes: IdArray
 
     def __init__(
         self, segment: IdArray, device_offset: IdArray, cpu_offset: IdArray, nbytes: IdArray
     ) -> None:
-        self._columns: tuple[IdArray, IdArray, IdArray, IdArray] | None = (
-            segment,
-            device_offset,
-            cpu_offset,
-            nbytes,
-        )
+        self.segment, self.device_offset = segment, device_offset
+        self.cpu_offset, self.nbytes = cpu_offset, nbytes
         self._count = len(nbytes)
         self.pairs: RunPairs | None = None
 
     @classmethod
     def of_pairs(cls, pairs: RunPairs) -> CopyRuns:
         runs = cls.__new__(cls)
-        runs._columns = None
         runs._count = len(pairs.device) * len(pairs.mapping.rows)
         runs.pairs = pairs
         return runs
 
-    @property
-    def segment(self) -> IdArray:
-        return self._materialized()[0]
-
-    @property
-    def device_offset(self) -> IdArray:
-        return self._materialized()[1]
-
-    @property
-    def cpu_offset(self) -> IdArray:
-        return self._materialized()[2]
-
-    @property
-    def nbytes(self) -> IdArray:
-        return self._materialized()[3]
+    def __getattr__(self, name: str) -> IdArray:
+        if name not in _COLUMNS or self.pairs is None:  # "pairs" itself never recurses
+            raise AttributeError(name)
+        pairs = self.pairs
+        columns = pairs.mapping.unmerged_columns(pairs.device, pairs.sub)
+        self.segment, self.device_offset, self.cpu_offset, self.nbytes = columns
+        return columns[_COLUMNS.index(name)]
 
     def __len__(self) -> int:
         return self._count
 
     @property
     def total_bytes(self) -> int:
-        if self._columns is None and self.pairs is not None:
+        if self.pairs is not None:
             return len(self.pairs.device) * self.pairs.mapping.bytes_per_block
         return int(self.nbytes.sum())
 
-    def _materialized(self) -> tuple[IdArray, IdArray, IdArray, IdArray]:
-        if self._columns is None:
-            assert self.pairs is not None  # one of the two is always set
-            self._columns = self.pairs.mapping.unmerged_columns(self.pairs.device, self.pairs.sub)
-        return self._columns
+
+_COLUMNS = ("segment", "device_offset", "cpu_offset", "nbytes")
 
 
 class RunPairs:
