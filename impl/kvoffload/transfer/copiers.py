@@ -94,11 +94,16 @@ class MemmoveCopier:
 
     def check_bounds(self, runs: CopyRuns) -> None:
         """:func:`require_in_bounds` (:func:`require_pairs_in_bounds` for runs planned as
-        pairs) against this layout's storages and this pool."""
+        pairs, which this copier copies from the pairs) against this layout's storages and
+        this pool."""
         if runs.pairs is not None:
             require_pairs_in_bounds(runs.pairs, self._segment_sizes, self._pool_end)
         else:
-            require_in_bounds(runs, self._segment_end, self._pool_end)
+            self.check_columns(runs)
+
+    def check_columns(self, runs: CopyRuns) -> None:
+        """:func:`require_in_bounds` on the columns, for a copier that copies by them."""
+        require_in_bounds(runs, self._segment_end, self._pool_end)
 
     def copy(self, job: Job, hook: FaultHook | None) -> None:
         runs = job.runs
@@ -289,7 +294,7 @@ class SpanCopier:
         ):
             self._memmove.copy(job, None)
             return
-        self._memmove.check_bounds(runs)
+        self._memmove.check_columns(runs)  # what the indexes below are made from
         # Every numpy call here costs ~5-10 us, not ~1: the previous job's copy has flushed
         # the caches. So the usual job, runs of one size (one per layer and block), takes
         # the path of fewest calls; mixed sizes (merged runs of consecutive ids) the general.
