@@ -28,8 +28,9 @@ class CopyRuns:
 
     A job in which no pair continues another may be given as :class:`RunPairs` instead
     (``pairs``: one run per row of the layout and pair of ids), which the memmove copier
-    turns into addresses without a numpy call; the columns are then computed on first use,
-    for the copiers that need them. Built from columns, ``pairs`` is None.
+    turns into addresses with no numpy call but one ``tolist`` per side; the columns are
+    then computed on first use, for the copiers that need them. Built from columns,
+    ``pairs`` is None.
     """
 
     # The columns are plain slots, read at C speed; for runs given as pairs they stay unset
