@@ -35,7 +35,10 @@ class CpuBackend:
         self.hook: FaultHook | None = None
         self._done: dict[int, JobResult] = {}  # finished, not yet polled; in finishing order
         self._running: set[int] = set()
-        self._changed = threading.Condition()
+        # taken directly where nobody is notified: a with-block on the lock is C code, on
+        # the condition two Python calls (which a job pays cold, after its copy)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
         self._queues: dict[Direction, queue.SimpleQueue[Job | None]] = {}
         self._workers: list[threading.Thread] = []
         if threaded:
@@ -54,21 +57,25 @@ class CpuBackend:
         if jobs is None:
             self._finish(run_job(self._copier, job, self.hook))
             return
-        with self._changed:
+        with self._lock:
             self._running.add(job.job_id)
         jobs.put(job)
 
     def poll(self) -> list[JobResult]:
-        with self._changed:
+        with self._lock:
             finished = list(self._done.values())
             self._done.clear()
         return finished
 
     def wait(self, job_ids: Collection[int], timeout: float | None = None) -> bool:
+        if not self._workers:  # every job finished inside its submit
+            return True
         with self._changed:
             return self._changed.wait_for(lambda: self._running.isdisjoint(job_ids), timeout)
 
     def wait_all(self, timeout: float | None = None) -> bool:
+        if not self._workers:
+            return True
         with self._changed:
             return self._changed.wait_for(lambda: not self._running, timeout)
 
@@ -86,7 +93,7 @@ class CpuBackend:
             self._finish(run_job(self._copier, job, self.hook))
 
     def _finish(self, result: JobResult) -> None:
-        with self._changed:
+        with self._lock:
             self._done[result.job_id] = result
             if self._workers:  # only worker threads leave anyone waiting
                 self._running.discard(result.job_id)

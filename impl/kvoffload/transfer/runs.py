@@ -11,7 +11,6 @@ copies of 64 KiB reach ~55%.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -23,23 +22,79 @@ from kvoffload.transfer.layout import KVLayout
 IdArray = npt.NDArray[np.int64]
 
 
-@dataclass(frozen=True)
 class CopyRuns:
     """Run ``i`` copies ``nbytes[i]`` bytes between segment ``segment[i]``'s storage at
     ``device_offset[i]`` and the pool at ``cpu_offset[i]`` (direction is the job's).
+
+    A job in which no pair continues another may be given as :class:`RunPairs` instead
+    (``pairs``: one run per row of the layout and pair of ids), which the memmove copier
+    turns into addresses with no numpy call but one ``tolist`` per side; the columns are
+    then computed on first use, for the copiers that need them. Built from columns,
+    ``pairs`` is None.
     """
 
+    # The columns are plain slots, read at C speed; for runs given as pairs they stay unset
+    # until the first read, which falls through to __getattr__ and computes all four.
+    __slots__ = ("_count", "cpu_offset", "device_offset", "nbytes", "pairs", "segment")
     segment: IdArray
     device_offset: IdArray
     cpu_offset: IdArray
     nbytes: IdArray
 
+    def __init__(
+        self, segment: IdArray, device_offset: IdArray, cpu_offset: IdArray, nbytes: IdArray
+    ) -> None:
+        self.segment, self.device_offset = segment, device_offset
+        self.cpu_offset, self.nbytes = cpu_offset, nbytes
+        self._count = len(nbytes)
+        self.pairs: RunPairs | None = None
+
+    @classmethod
+    def of_pairs(cls, pairs: RunPairs) -> CopyRuns:
+        runs = cls.__new__(cls)
+        runs._count = len(pairs.device) * len(pairs.mapping.rows)
+        runs.pairs = pairs
+        return runs
+
+    def __getattr__(self, name: str) -> IdArray:
+        if name not in _COLUMNS or self.pairs is None:  # "pairs" itself never recurses
+            raise AttributeError(name)
+        pairs = self.pairs
+        columns = pairs.mapping.unmerged_columns(pairs.device, pairs.sub)
+        self.segment, self.device_offset, self.cpu_offset, self.nbytes = columns
+        return columns[_COLUMNS.index(name)]
+
     def __len__(self) -> int:
-        return len(self.nbytes)
+        return self._count
 
     @property
     def total_bytes(self) -> int:
+        if self.pairs is not None:
+            return len(self.pairs.device) * self.pairs.mapping.bytes_per_block
         return int(self.nbytes.sum())
+
+
+_COLUMNS = ("segment", "device_offset", "cpu_offset", "nbytes")
+
+
+class RunPairs:
+    """The runs of a job in which no pair of ids continues another: for each row of
+    ``mapping`` in order, one run per pair, pairs in copy order (sorted by the side that is
+    written). ``device[j]`` is pair ``j``'s device block, ``sub[j]`` its CPU sub-block
+    (``cpu_id * factor + j % factor``).
+    """
+
+    __slots__ = ("_lists", "device", "mapping", "sub")
+
+    def __init__(self, mapping: BlockMapping, device: IdArray, sub: IdArray) -> None:
+        self.mapping, self.device, self.sub = mapping, device, sub
+        self._lists: tuple[list[int], list[int]] | None = None
+
+    def lists(self) -> tuple[list[int], list[int]]:
+        """``device`` and ``sub`` as lists of ints (made once)."""
+        if self._lists is None:
+            self._lists = (self.device.tolist(), self.sub.tolist())
+        return self._lists
 
 
 class BlockMapping:
@@ -47,13 +102,17 @@ class BlockMapping:
 
     Jobs of up to ``small_job`` (segment, block) pairs are planned in plain Python, larger
     ones with numpy: numpy's per-call cost (a few dozen calls, ~20 us) would otherwise be
-    most of the cost of a one-block job. Both give the same runs (a test checks it).
+    most of the cost of a one-block job. Both give the same runs (a test checks it). A
+    numpy-planned job in which no pair continues another (random ids; always, for separate
+    per-layer tensors with k = 1) is returned as :class:`RunPairs`, its columns computed
+    only if a copier asks for them.
     """
 
     def __init__(self, layout: KVLayout, factor: int, small_job: int = 32) -> None:
         rows = _rows_of(layout, factor)
         self.factor = factor
         self.small_job = small_job
+        self.bytes_per_block = layout.bytes_per_block
         self.cpu_block_bytes = factor * layout.bytes_per_block
         self._segment = np.array([r.segment for r in rows], dtype=np.int64)
         self._base = np.array([r.base for r in rows], dtype=np.int64)
@@ -70,6 +129,7 @@ class BlockMapping:
         # continues the previous one's run in the pool, so the search for runs is skipped.
         self._can_merge = bool(self._packed.any()) and (self._runs_cross_cpu_blocks or factor > 1)
         self._rows = rows
+        self.rows = tuple(rows)
 
     def runs(self, device_ids: IdArray, cpu_ids: IdArray, *, to_cpu: bool) -> CopyRuns:
         """The runs of one job; ids are validated already (``len(device_ids) == factor *
@@ -104,13 +164,13 @@ class BlockMapping:
         order = np.argsort(cpu_sub if to_cpu else device_ids, kind="stable")
         device, sub = device_ids[order], cpu_sub[order]
         if not self._can_merge:
-            return self._unmerged_runs(device, sub)
+            return CopyRuns.of_pairs(RunPairs(self, device, sub))
         follows = np.zeros(n, dtype=bool)
         follows[1:] = (device[1:] == device[:-1] + 1) & (sub[1:] == sub[:-1] + 1)
         if not self._runs_cross_cpu_blocks:
             follows[1:] &= sub[1:] % k != 0
         if not follows.any():  # random ids: one run per (row, pair), in that order
-            return self._unmerged_runs(device, sub)
+            return CopyRuns.of_pairs(RunPairs(self, device, sub))
         starts = np.flatnonzero(~(follows & self._packed[:, None]))  # over [segment, block]
         row, block = starts // n, starts % n
         lengths = np.empty_like(starts)
@@ -126,19 +186,22 @@ class BlockMapping:
             nbytes=lengths * self._nbytes[row],
         )
 
-    def _unmerged_runs(self, device: IdArray, sub: IdArray) -> CopyRuns:
-        """What the general case gives when no pair continues another, in fewer calls."""
+    def unmerged_columns(
+        self, device: IdArray, sub: IdArray
+    ) -> tuple[IdArray, IdArray, IdArray, IdArray]:
+        """The columns of the runs when no pair of (``device``, ``sub``), in copy order,
+        continues another: what the general case gives, in fewer calls."""
         k, n = self.factor, len(device)
         if k == 1:
             within = self._cpu_offset[:, None] + sub * self.cpu_block_bytes
         else:
             within = self._cpu_offset[:, None] + (sub // k * self.cpu_block_bytes)
             within += (sub % k) * self._nbytes[:, None]
-        return CopyRuns(
-            segment=np.repeat(self._segment, n),
-            device_offset=(self._base[:, None] + device * self._stride[:, None]).ravel(),
-            cpu_offset=within.ravel(),
-            nbytes=np.repeat(self._nbytes, n),
+        return (
+            np.repeat(self._segment, n),
+            (self._base[:, None] + device * self._stride[:, None]).ravel(),
+            within.ravel(),
+            np.repeat(self._nbytes, n),
         )
 
 
