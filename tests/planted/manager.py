@@ -111,8 +111,7 @@ class StaleStoreCompletionApplied(OffloadManager):
 class ArcWithoutFallbackToT1(ArcPolicy):
     """ARC as vLLM had it before PR #55461: T2 preferred but empty means no victim."""
 
-    def _from_t1(self, t1_size: int, t1_has: bool, t2_has: bool) -> bool:
-        return t1_has if t1_size >= int(self.p) else False
+    falls_back_to_t1 = False
 
 
 class LruRestampedWhenUnpinned(LruPolicy):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from bisect import bisect_left, insort
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
-from itertools import chain, filterfalse
+from itertools import chain, filterfalse, islice
 from operator import itemgetter
 from typing import Any
 
@@ -78,6 +78,23 @@ class StampOrder:
         else:
             insort(ids, at)
 
+    def add_each(self, pairs: Iterable[tuple[Key, int]]) -> None:
+        """``add`` each ``(key, stamp)`` of ``pairs``: one Python step per key into an
+        existing bucket, not a call.
+        """
+        buckets, bits = self._buckets, self._bits
+        for key, stamp in pairs:
+            bucket = buckets.get(stamp >> bits)
+            if bucket is None:
+                self.add(key, stamp)  # a new bucket: once per 256 stamps at most
+            elif stamp > self._newest:
+                self._newest = stamp
+                bucket[key] = stamp
+            else:
+                if stamp < next(reversed(bucket.values())):
+                    self._unsorted.add(stamp >> bits)
+                bucket[key] = stamp
+
     def extend(self, pairs: Iterable[tuple[Key, int]]) -> None:
         """``add`` each ``(key, stamp)`` of ``pairs``, whose stamps ascend and exceed every
         stamp here (ARC's new ghosts): one Python step per key, not a call.
@@ -112,6 +129,22 @@ class StampOrder:
         if not bucket:
             self._drop(at)
 
+    def remove_each(self, pairs: Iterable[tuple[Key, int]]) -> None:
+        """``remove`` each ``(key, stamp)`` of ``pairs``, all of them here."""
+        buckets, bits = self._buckets, self._bits
+        for key, stamp in pairs:
+            bucket = buckets[stamp >> bits]
+            del bucket[key]
+            if not bucket:
+                self._drop(stamp >> bits)
+
+    def move(self, key: Key, stamp: int, new_stamp: int, into: StampOrder) -> None:
+        """If ``key`` is here under ``stamp``, move it to ``into`` (this order or another)
+        under ``new_stamp``; else nothing.
+        """
+        if self.discard(key, stamp):
+            into.add(key, new_stamp)
+
     def contains(self, key: Key, stamp: int) -> bool:
         """Whether ``key``, whose stamp is ``stamp``, is here."""
         return key in self._buckets.get(stamp >> self._bits, ())
@@ -125,6 +158,25 @@ class StampOrder:
         if not bucket:
             self._drop(at)
         return oldest
+
+    def pop_oldest_each(self, count: int) -> list[Key]:
+        """Remove and return the ``count`` keys with the least stamps, oldest first
+        (IndexError when there are fewer): whole buckets at a time.
+        """
+        taken: list[Key] = []
+        while len(taken) < count:
+            at = self._ids[0]
+            bucket = self._bucket(at)
+            wanted = count - len(taken)
+            if wanted >= len(bucket):
+                taken += bucket
+                self._drop(at)
+            else:
+                oldest = list(islice(bucket, wanted))
+                for key in oldest:
+                    del bucket[key]
+                taken += oldest
+        return taken
 
     def __iter__(self) -> Iterator[Key]:
         """Oldest first. Nothing may be added or removed while the iteration runs."""
