@@ -574,7 +574,7 @@ class OffloadManager:
         """Pin each key of ``keys``, ready in the block id of ``block_ids`` beside it."""
         refs = self._refs
         newly = []  # the keys that stop being evictable, in call order
-        for key, block_id in zip(keys, block_ids):
+        for key, block_id in zip(keys, block_ids, strict=True):
             if not refs[block_id]:
                 newly.append(key)
             refs[block_id] += 1
@@ -587,7 +587,7 @@ class OffloadManager:
         """
         refs = self._refs
         released = []  # the keys that become evictable again, in call order
-        for key, block_id in zip(keys, block_ids):
+        for key, block_id in zip(keys, block_ids, strict=True):
             refs[block_id] -= 1
             if not refs[block_id]:
                 released.append(key)
