@@ -281,7 +281,7 @@ class OffloadManager:
             return None
         evicted_block_ids = self._evict(victims)
         plan_id = self._next_plan_id
-        block_ids = self._place(candidates, plan_id)
+        block_ids = self._place(candidates, plan_id, evicted_block_ids)
         return self._open(
             StorePlan(
                 tuple(candidates),
@@ -525,28 +525,40 @@ class OffloadManager:
             )
 
     def _evict(self, victims: list[Key]) -> tuple[int, ...]:
-        """Drop ``victims``; their block ids, in eviction order (their bytes are still there)."""
+        """Drop ``victims``; their block ids, in eviction order (their bytes are still there),
+        for ``_take_block_ids`` to hand out again.
+        """
         block_ids = tuple(self._block_id_of.pop_each(victims))
-        freed = self._freed
-        for block_id in block_ids:
-            heapq.heappush(freed, block_id)
         self._num_evictable -= len(victims)
         self._policy.evict(victims)
         self._tally.evictions += len(victims)
         self._emit(victims, RemovalReason.EVICTED)
         return block_ids
 
-    def _place(self, candidates: list[Key], plan_id: int) -> tuple[int, ...]:
-        """Make ``candidates`` pending in the lowest free block ids, in call order."""
-        block_ids = self._take_block_ids(len(candidates))
+    def _place(
+        self, candidates: list[Key], plan_id: int, evicted: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """Make ``candidates`` pending in the lowest free block ids, in call order, the
+        block ids just ``evicted`` among them.
+        """
+        block_ids = self._take_block_ids(len(candidates), evicted)
         self._block_id_of.set_each(candidates, block_ids)
         self._storing.update(zip(candidates, repeat(plan_id)))
         self._policy.insert_each(candidates)
         return block_ids
 
-    def _take_block_ids(self, count: int) -> tuple[int, ...]:
-        """The ``count`` lowest free block ids, ascending (freed ones lie below the fresh)."""
+    def _take_block_ids(self, count: int, evicted: tuple[int, ...]) -> tuple[int, ...]:
+        """The ``count`` lowest free block ids, ascending (freed ones lie below the fresh),
+        ``evicted`` (not in the heap) counting as free.
+        """
         freed = self._freed
+        if evicted:
+            # Victims are only chosen to make exactly enough room: every free block id is
+            # taken, so they are sorted together rather than pushed and popped one by one.
+            taken = sorted([*freed, *evicted])
+            freed.clear()
+            fresh, self._fresh = self._fresh, self._num_blocks
+            return (*taken, *range(fresh, self._num_blocks))
         reused = min(count, len(freed))
         taken = tuple(map(heapq.heappop, repeat(freed, reused)))
         if reused == count:  # a full pool: every block id was freed by this call's evictions

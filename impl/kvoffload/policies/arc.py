@@ -127,29 +127,34 @@ class ArcPolicy(EvictionPolicy):
         # ``is_ready`` is not needed: a key is ready once its store completed (_STORED).
         t1, t2 = self._t1, self._t2
         shards, count = self._codes.layout()
+        clock = self._clock
         for key in reversed(keys):
             shard = shards[hash(key) % count]
             code = shard.get(key)
             if code is None:
                 continue
             if code & _GHOST:
-                self._ghost_hit(key, code)
+                self._clock = clock
+                self._ghost_hit(key, code)  # it moves the clock
+                clock = self._clock
                 continue
-            self._clock += 1
+            clock += 1
             if not code & _STORED:
                 # Pending: only just inserted, which is not a second use. It stays in T1,
                 # as the most recent, and sits in no evictable order.
-                shard[key] = self._clock << _LOW_BITS
+                shard[key] = clock << _LOW_BITS
                 continue
             # A ready key moves to (or within) T2, as the most recent.
-            new_code = self._clock << _LOW_BITS | _STORED | _SECOND
+            new_code = clock << _LOW_BITS | _STORED | _SECOND
             shard[key] = new_code
-            if code & _SECOND:
-                t2.move(key, code, new_code, t2)
-                continue
-            self._t1_size -= 1
-            self._t2_size += 1
-            t1.move(key, code, new_code, t2)
+            if not code & _SECOND:
+                self._t1_size -= 1
+                self._t2_size += 1
+                if t1.discard(key, code):
+                    t2.add(key, new_code)
+            elif t2.discard(key, code):
+                t2.add(key, new_code)
+        self._clock = clock
 
     def on_store_miss(self, keys: Sequence[Key]) -> None:
         # Before insert drops the ghost: in an engine's order a returning key is stored

@@ -78,10 +78,17 @@ class StampOrder:
         else:
             insort(ids, at)
 
-    def add_each(self, pairs: Iterable[tuple[Key, int]]) -> None:
-        """``add`` each ``(key, stamp)`` of ``pairs``: one Python step per key into an
-        existing bucket, not a call.
-        """
+    def add_each(self, pairs: list[tuple[Key, int]]) -> None:
+        """``add`` each ``(key, stamp)`` of ``pairs`` (which it may reorder)."""
+        if not pairs:
+            return
+        # Sorted first (in C; a run that descends, as a touched store's keys do, is
+        # reversed in one pass), the pairs usually all exceed every stamp here: they are
+        # then appended in order, and no bucket needs sorting later.
+        pairs.sort(key=_BY_STAMP)
+        if pairs[0][1] > self._newest:
+            self.extend(pairs)
+            return
         buckets, bits = self._buckets, self._bits
         for key, stamp in pairs:
             bucket = buckets.get(stamp >> bits)
@@ -137,13 +144,6 @@ class StampOrder:
             del bucket[key]
             if not bucket:
                 self._drop(stamp >> bits)
-
-    def move(self, key: Key, stamp: int, new_stamp: int, into: StampOrder) -> None:
-        """If ``key`` is here under ``stamp``, move it to ``into`` (this order or another)
-        under ``new_stamp``; else nothing.
-        """
-        if self.discard(key, stamp):
-            into.add(key, new_stamp)
 
     def contains(self, key: Key, stamp: int) -> bool:
         """Whether ``key``, whose stamp is ``stamp``, is here."""
