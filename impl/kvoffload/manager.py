@@ -555,13 +555,13 @@ class OffloadManager:
         if evicted:
             # Victims are only chosen to make exactly enough room: every free block id is
             # taken, so they are sorted together rather than pushed and popped one by one.
-            taken = sorted([*freed, *evicted])
+            every_free = sorted([*freed, *evicted])
             freed.clear()
             fresh, self._fresh = self._fresh, self._num_blocks
-            return (*taken, *range(fresh, self._num_blocks))
+            return (*every_free, *range(fresh, self._num_blocks))
         reused = min(count, len(freed))
         taken = tuple(map(heapq.heappop, repeat(freed, reused)))
-        if reused == count:  # a full pool: every block id was freed by this call's evictions
+        if reused == count:  # enough block ids freed earlier (failed or abandoned stores)
             return taken
         fresh = self._fresh
         self._fresh = fresh + count - reused
