@@ -99,6 +99,11 @@ class ShardedDict(Generic[K, V]):
         shards, count = self._shards, self._count
         return [shards[hash(key) % count].get(key) for key in keys]
 
+    def values_of(self, keys: Iterable[K]) -> list[V]:
+        """``[self[key] for key in keys]``: KeyError at the first absent key."""
+        shards, count = self._shards, self._count
+        return [shards[hash(key) % count][key] for key in keys]
+
     def missing(self, keys: Iterable[K]) -> list[K]:
         """The ``keys`` not in the dict, in their order."""
         shards, count = self._shards, self._count

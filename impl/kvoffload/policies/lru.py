@@ -38,11 +38,22 @@ class LruPolicy(EvictionPolicy):
     def remove(self, key: Key) -> None:
         del self._stamps[key]
 
+    def insert_each(self, keys: Sequence[Key]) -> None:
+        clock = self._clock
+        self._clock = clock + len(keys)
+        self._stamps.set_each(keys, range(clock + 1, self._clock + 1))
+
     def mark_evictable(self, key: Key) -> None:
         self._evictable.add(key, self._stamps[key])
 
+    def mark_evictable_each(self, keys: Sequence[Key]) -> None:
+        self._evictable.add_each(list(zip(keys, self._stamps.values_of(keys), strict=True)))
+
     def mark_unevictable(self, key: Key) -> None:
         self._evictable.remove(key, self._stamps[key])
+
+    def mark_unevictable_each(self, keys: Sequence[Key]) -> None:
+        self._evictable.remove_each(zip(keys, self._stamps.values_of(keys), strict=True))
 
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         stamps = self._stamps
