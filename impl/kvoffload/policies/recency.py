@@ -102,11 +102,22 @@ class StampOrder:
                     self._unsorted.add(stamp >> bits)
                 bucket[key] = stamp
 
-    def extend(self, pairs: Iterable[tuple[Key, int]]) -> None:
+    def extend(self, pairs: list[tuple[Key, int]]) -> None:
         """``add`` each ``(key, stamp)`` of ``pairs``, whose stamps ascend and exceed every
-        stamp here (ARC's new ghosts): one Python step per key, not a call.
+        stamp here (ARC's new ghosts, a completed store's keys).
         """
+        if not pairs:
+            return
         buckets, ids, bits = self._buckets, self._ids, self._bits
+        at = pairs[-1][1] >> bits
+        if pairs[0][1] >> bits == at:  # all in one bucket, as a call's keys nearly always are
+            bucket = buckets.get(at)
+            if bucket is None:
+                bucket = buckets[at] = {}
+                ids.append(at)
+            bucket.update(pairs)  # in C
+            self._newest = pairs[-1][1]
+            return
         at, bucket, stamp = -1, {}, self._newest
         for key, stamp in pairs:
             if stamp >> bits != at:
