@@ -53,7 +53,9 @@ class EvictionPolicy(ABC):
     ``mark_evictable`` and ``mark_unevictable`` alternate, starting with
     ``mark_evictable``; ``evict`` only ever receives keys that are evictable, ``remove``
     only keys that are not. ``touch`` may name keys that are not resident: ignore them (or,
-    like ARC, use them as ghost hits).
+    like ARC, use them as ghost hits). The manager calls the batch forms
+    ``insert_each``, ``mark_evictable_each`` and ``mark_unevictable_each`` with a call's
+    keys; they default to the per-key methods, so a policy need only write those.
     """
 
     __slots__ = ("capacity",)
