@@ -83,24 +83,31 @@ class StampOrder:
         if not pairs:
             return
         # Sorted first (in C; a run that descends, as a touched store's keys do, is
-        # reversed in one pass), the pairs usually all exceed every stamp here: they are
-        # then appended in order, and no bucket needs sorting later.
+        # reversed in one pass), the pairs fall into runs of one bucket each, found by
+        # bisection; each run goes into its bucket with one dict.update, and marks the
+        # bucket unsorted only if it starts below the bucket's newest entry.
         pairs.sort(key=_BY_STAMP)
         if pairs[0][1] > self._newest:
             self.extend(pairs)
             return
-        buckets, bits = self._buckets, self._bits
-        for key, stamp in pairs:
-            bucket = buckets.get(stamp >> bits)
+        buckets, ids, bits = self._buckets, self._ids, self._bits
+        start = 0
+        while start < len(pairs):
+            first = pairs[start][1]
+            at = first >> bits
+            end = bisect_left(pairs, (at + 1) << bits, start, key=_BY_STAMP)
+            bucket = buckets.get(at)
             if bucket is None:
-                self.add(key, stamp)  # a new bucket: once per 256 stamps at most
-            elif stamp > self._newest:
-                self._newest = stamp
-                bucket[key] = stamp
-            else:
-                if stamp < next(reversed(bucket.values())):
-                    self._unsorted.add(stamp >> bits)
-                bucket[key] = stamp
+                bucket = buckets[at] = {}
+                if not ids or ids[-1] < at:
+                    ids.append(at)
+                else:
+                    insort(ids, at)
+            elif first < next(reversed(bucket.values())):
+                self._unsorted.add(at)
+            bucket.update(pairs[start:end])
+            start = end
+        self._newest = max(self._newest, pairs[-1][1])
 
     def extend(self, pairs: list[tuple[Key, int]]) -> None:
         """``add`` each ``(key, stamp)`` of ``pairs``, whose stamps ascend and exceed every
