@@ -13,7 +13,7 @@ this against the spec), only slower when few blocks are evictable.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.lru import LruPolicy
@@ -64,10 +64,13 @@ class WalkEveryBlockLru(LruPolicy):
         evictable = self._evictable_keys
         return (key for key in self._recency if key in evictable and key not in protected)
 
-    def _restamp(self, key: Key, stamp: int) -> None:
-        super()._restamp(key, stamp)
-        del self._recency[key]  # re-inserted at the end: the dict's order is the recency order
-        self._recency[key] = None
+    def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
+        super().touch(keys, is_ready)
+        recency = self._recency
+        for key in reversed(keys):
+            if key in recency:  # resident: re-inserted at the end, the dict's order is recency
+                del recency[key]
+                recency[key] = None
 
 
 class UnguardedManager(OffloadManager):

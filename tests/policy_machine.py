@@ -72,6 +72,35 @@ class PolicyAgainstSpec(RuleBasedStateMachine):
         self.policy.mark_evictable(key)
         self.status[key] = "ready"
 
+    # The batch forms the manager calls, on several keys of one state at once.
+
+    def some(self, data: st.DataObject, keys: list[Key]) -> list[Key]:
+        return data.draw(st.lists(st.sampled_from(keys), min_size=1, unique=True))
+
+    @precondition(lambda self: len(self.status) < len(KEYS))
+    @rule(data=st.data())
+    def insert_each(self, data: st.DataObject) -> None:
+        keys = self.some(data, [key for key in KEYS if key not in self.status])
+        self.policy.insert_each(keys)
+        for key in keys:
+            self.order.insert(key)
+            self.status[key] = "pending"
+
+    @precondition(lambda self: self.keys_in("pending", "pinned"))
+    @rule(data=st.data())
+    def mark_evictable_each(self, data: st.DataObject) -> None:
+        """Stores completing and loads finishing, mixed, as one batch."""
+        keys = self.some(data, self.keys_in("pending", "pinned"))
+        self.policy.mark_evictable_each(keys)
+        self.status.update(dict.fromkeys(keys, "ready"))
+
+    @precondition(lambda self: self.keys_in("ready"))
+    @rule(data=st.data())
+    def mark_unevictable_each(self, data: st.DataObject) -> None:
+        keys = self.some(data, self.keys_in("ready"))
+        self.policy.mark_unevictable_each(keys)
+        self.status.update(dict.fromkeys(keys, "pinned"))
+
     @precondition(lambda self: self.keys_in("pending", "pinned"))
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:

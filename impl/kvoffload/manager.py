@@ -281,7 +281,7 @@ class OffloadManager:
             return None
         evicted_block_ids = self._evict(victims)
         plan_id = self._next_plan_id
-        block_ids = self._place(candidates, plan_id)
+        block_ids = self._place(candidates, plan_id, evicted_block_ids)
         return self._open(
             StorePlan(
                 tuple(candidates),
@@ -321,11 +321,11 @@ class OffloadManager:
         ``BlockPendingError`` if a key is not ready; then nothing changed.
         """
         found = self._block_id_of.get_each(_checked_keys(keys))
-        storing = self._storing
-        if None in found or any(key in storing for key in keys):
+        if None in found or not self._storing.keys().isdisjoint(keys):
             for key in keys:  # the first key that is not ready says why
                 self._require_ready(key)
-        block_ids = tuple(self._pin(key) for key in keys)
+        block_ids: tuple[int, ...] = tuple(found)  # type: ignore[arg-type]  # no None left
+        self._pin_each(keys, block_ids)
         return self._open(
             LoadPlan(tuple(keys), block_ids, self._next_plan_id, self._generation, self._owner)
         )
@@ -338,8 +338,7 @@ class OffloadManager:
         self._tally.blocks_loaded += len(plan.keys)
         if plan.generation != self._generation:
             return
-        for key in plan.keys:
-            self._unpin(key)
+        self._unpin_each(plan.keys, plan.block_ids)
 
     def abandon(self, plan: StorePlan | LoadPlan) -> None:
         """Give up waiting for the job of ``plan`` (it stalled), without trusting it ended.
@@ -362,8 +361,7 @@ class OffloadManager:
         if plan.generation != self._generation:
             self._abandoned[plan.plan_id] = ()  # a reset released everything it held
         elif isinstance(plan, LoadPlan):
-            for key in plan.keys:
-                self._unpin(key)
+            self._unpin_each(plan.keys, plan.block_ids)
             self._abandoned[plan.plan_id] = ()
         else:
             dropped = [key for key in plan.keys if self._storing.get(key) == plan.plan_id]
@@ -527,33 +525,43 @@ class OffloadManager:
             )
 
     def _evict(self, victims: list[Key]) -> tuple[int, ...]:
-        """Drop ``victims``; their block ids, in eviction order (their bytes are still there)."""
+        """Drop ``victims``; their block ids, in eviction order (their bytes are still there),
+        for ``_take_block_ids`` to hand out again.
+        """
         block_ids = tuple(self._block_id_of.pop_each(victims))
-        freed = self._freed
-        for block_id in block_ids:
-            heapq.heappush(freed, block_id)
         self._num_evictable -= len(victims)
         self._policy.evict(victims)
         self._tally.evictions += len(victims)
         self._emit(victims, RemovalReason.EVICTED)
         return block_ids
 
-    def _place(self, candidates: list[Key], plan_id: int) -> tuple[int, ...]:
-        """Make ``candidates`` pending in the lowest free block ids, in call order."""
-        block_ids = self._take_block_ids(len(candidates))
+    def _place(
+        self, candidates: list[Key], plan_id: int, evicted: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """Make ``candidates`` pending in the lowest free block ids, in call order, the
+        block ids just ``evicted`` among them.
+        """
+        block_ids = self._take_block_ids(len(candidates), evicted)
         self._block_id_of.set_each(candidates, block_ids)
-        storing, insert = self._storing, self._policy.insert
-        for key in candidates:
-            storing[key] = plan_id
-            insert(key)
+        self._storing.update(zip(candidates, repeat(plan_id)))
+        self._policy.insert_each(candidates)
         return block_ids
 
-    def _take_block_ids(self, count: int) -> tuple[int, ...]:
-        """The ``count`` lowest free block ids, ascending (freed ones lie below the fresh)."""
+    def _take_block_ids(self, count: int, evicted: tuple[int, ...]) -> tuple[int, ...]:
+        """The ``count`` lowest free block ids, ascending (freed ones lie below the fresh),
+        ``evicted`` (not in the heap) counting as free.
+        """
         freed = self._freed
+        if evicted:
+            # Victims are only chosen to make exactly enough room: every free block id is
+            # taken, so they are sorted together rather than pushed and popped one by one.
+            every_free = sorted([*freed, *evicted])
+            freed.clear()
+            fresh, self._fresh = self._fresh, self._num_blocks
+            return (*every_free, *range(fresh, self._num_blocks))
         reused = min(count, len(freed))
         taken = tuple(map(heapq.heappop, repeat(freed, reused)))
-        if reused == count:  # a full pool: every block id was freed by this call's evictions
+        if reused == count:  # enough block ids freed earlier (failed or abandoned stores)
             return taken
         fresh = self._fresh
         self._fresh = fresh + count - reused
@@ -562,8 +570,7 @@ class OffloadManager:
     # -- completions and pins --------------------------------------------------------------
 
     def _mark_stored(self, keys: list[Key]) -> None:
-        for key in keys:
-            self._policy.mark_evictable(key)
+        self._policy.mark_evictable_each(keys)
         self._num_evictable += len(keys)
         self._tally.blocks_stored += len(keys)
         self._emit(keys)
@@ -575,20 +582,29 @@ class OffloadManager:
         self._tally.failed_stores += len(keys)
         self._emit(keys, RemovalReason.STORE_FAILED)
 
-    def _pin(self, key: Key) -> int:
-        block_id = self._block_id_of[key]
-        if not self._refs[block_id]:
-            self._policy.mark_unevictable(key)
-            self._num_evictable -= 1
-        self._refs[block_id] += 1
-        return block_id
+    def _pin_each(self, keys: Sequence[Key], block_ids: Sequence[int]) -> None:
+        """Pin each key of ``keys``, ready in the block id of ``block_ids`` beside it."""
+        refs = self._refs
+        newly = []  # the keys that stop being evictable, in call order
+        for key, block_id in zip(keys, block_ids, strict=True):
+            if not refs[block_id]:
+                newly.append(key)
+            refs[block_id] += 1
+        self._num_evictable -= len(newly)
+        self._policy.mark_unevictable_each(newly)
 
-    def _unpin(self, key: Key) -> None:
-        block_id = self._block_id_of[key]
-        self._refs[block_id] -= 1
-        if not self._refs[block_id]:
-            self._policy.mark_evictable(key)
-            self._num_evictable += 1
+    def _unpin_each(self, keys: Sequence[Key], block_ids: Sequence[int]) -> None:
+        """Undo ``_pin_each(keys, block_ids)``: the block ids are still the keys' (pinned
+        blocks are neither evicted nor moved), so no key is looked up again.
+        """
+        refs = self._refs
+        released = []  # the keys that become evictable again, in call order
+        for key, block_id in zip(keys, block_ids, strict=True):
+            refs[block_id] -= 1
+            if not refs[block_id]:
+                released.append(key)
+        self._num_evictable += len(released)
+        self._policy.mark_evictable_each(released)
 
     # -- helpers ---------------------------------------------------------------------------
 

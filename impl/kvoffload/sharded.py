@@ -60,6 +60,16 @@ class ShardedDict(Generic[K, V]):
         """The plain dict that holds ``key`` (or would)."""
         return self._shards[hash(key) % self._count]
 
+    def layout(self) -> tuple[list[dict[K, V]], int]:
+        """The shards and their count: ``key`` lives in ``shards[hash(key) % count]``.
+
+        For a hot loop over a call's keys, which then reaches each key's shard with no
+        method call (a call costs more than the dict operation it wraps). The shards are
+        the dict's own: write through them only as ``shard[key] = value``, ``del`` or
+        ``pop``, never replace or resize the list.
+        """
+        return self._shards, self._count
+
     def __len__(self) -> int:
         return sum(len(shard) for shard in self._shards)
 
@@ -88,6 +98,11 @@ class ShardedDict(Generic[K, V]):
         """``[self.get(key) for key in keys]``."""
         shards, count = self._shards, self._count
         return [shards[hash(key) % count].get(key) for key in keys]
+
+    def values_of(self, keys: Iterable[K]) -> list[V]:
+        """``[self[key] for key in keys]``: KeyError at the first absent key."""
+        shards, count = self._shards, self._count
+        return [shards[hash(key) % count][key] for key in keys]
 
     def missing(self, keys: Iterable[K]) -> list[K]:
         """The ``keys`` not in the dict, in their order."""

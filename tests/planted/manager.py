@@ -62,23 +62,22 @@ class MostRecentFirst(EvictionPolicy):
 class CounterNotRestoredOnLoad(OffloadManager):
     """complete_load makes the block evictable but forgets the counter (LMCache #987)."""
 
-    def _unpin(self, key: Key) -> None:
-        block_id = self._block_id_of[key]
-        self._refs[block_id] -= 1
-        if not self._refs[block_id]:
-            self._policy.mark_evictable(key)
+    def _unpin_each(self, keys: Sequence[Key], block_ids: Sequence[int]) -> None:
+        for key, block_id in zip(keys, block_ids, strict=True):
+            self._refs[block_id] -= 1
+            if not self._refs[block_id]:
+                self._policy.mark_evictable(key)
 
 
 class NestedLoadsShareOnePin(OffloadManager):
     """Refs as a flag, not a count: the first of two loads of a block to finish unpins it."""
 
-    def _pin(self, key: Key) -> int:
-        block_id = self._block_id_of[key]
-        if not self._refs[block_id]:
-            self._policy.mark_unevictable(key)
-            self._num_evictable -= 1
-        self._refs[block_id] = 1
-        return block_id
+    def _pin_each(self, keys: Sequence[Key], block_ids: Sequence[int]) -> None:
+        for key, block_id in zip(keys, block_ids, strict=True):
+            if not self._refs[block_id]:
+                self._policy.mark_unevictable(key)
+                self._num_evictable -= 1
+            self._refs[block_id] = 1
 
 
 class StaleLoadCompletionApplied(OffloadManager):
@@ -88,7 +87,7 @@ class StaleLoadCompletionApplied(OffloadManager):
         plan = self._close(plan, LoadPlan)
         for key in plan.keys:
             if key in self._block_id_of:  # the generation check forgotten
-                self._unpin(key)
+                self._unpin_each((key,), (self._block_id_of[key],))
 
 
 class StaleStoreCompletionApplied(OffloadManager):
@@ -111,8 +110,7 @@ class StaleStoreCompletionApplied(OffloadManager):
 class ArcWithoutFallbackToT1(ArcPolicy):
     """ARC as vLLM had it before PR #55461: T2 preferred but empty means no victim."""
 
-    def _from_t1(self, t1_size: int, t1_has: bool, t2_has: bool) -> bool:
-        return t1_has if t1_size >= int(self.p) else False
+    falls_back_to_t1 = False
 
 
 class LruRestampedWhenUnpinned(LruPolicy):
@@ -208,7 +206,7 @@ class LateLoadCompletionUnpinsAgain(OffloadManager):
         if late and plan.generation == self._generation:
             for key in plan.keys:
                 if key in self._block_id_of:
-                    self._unpin(key)
+                    self._unpin_each((key,), (self._block_id_of[key],))
 
 
 class ResetFreesQuarantine(OffloadManager):

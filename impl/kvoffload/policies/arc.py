@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from itertools import islice
+from typing import TYPE_CHECKING, ClassVar
 
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.recency import StampOrder, unprotected
@@ -13,7 +14,6 @@ from kvoffload_spec.surface import Key
 if TYPE_CHECKING:
     from kvoffload_spec.policies import ArcOrder
 
-_END: Any = object()  # no candidate left in a list
 # The bits of a code below its stamp:
 _SECOND = 1  # in T2 (resident) or B2 (ghost): the key was used again while ready
 _STORED = 2  # resident and its store has completed (it is ready)
@@ -42,6 +42,9 @@ class ArcPolicy(EvictionPolicy):
     """
 
     touch_counts_reuse = True
+    #: Whether a victim comes from T1 when T2 is preferred but has no candidate left (vLLM
+    #: fell back only from T1 to T2 until PR #55461).
+    falls_back_to_t1: ClassVar[bool] = True
 
     __slots__ = (
         "_b1",
@@ -69,13 +72,20 @@ class ArcPolicy(EvictionPolicy):
         self._clock = 0
 
     def insert(self, key: Key) -> None:
-        self._clock += 1
-        shard = self._codes.shard(key)  # one shard for the lookup and the write
-        ghost = shard.get(key)  # a key being inserted is not resident: any code is a ghost's
-        if ghost is not None:
-            self._unlink_ghost(key, ghost)
-        shard[key] = self._clock << _LOW_BITS
-        self._t1_size += 1
+        self.insert_each((key,))
+
+    def insert_each(self, keys: Sequence[Key]) -> None:
+        shards, count = self._codes.layout()
+        clock = self._clock
+        for key in keys:
+            shard = shards[hash(key) % count]  # one shard for the lookup and the write
+            ghost = shard.get(key)  # a key being inserted is not resident: any code is a ghost's
+            if ghost is not None:
+                self._unlink_ghost(key, ghost)
+            clock += 1
+            shard[key] = clock << _LOW_BITS
+        self._clock = clock
+        self._t1_size += len(keys)
 
     def remove(self, key: Key) -> None:
         if self._codes.pop(key) & _SECOND:
@@ -84,108 +94,129 @@ class ArcPolicy(EvictionPolicy):
             self._t1_size -= 1
 
     def mark_evictable(self, key: Key) -> None:
-        shard = self._codes.shard(key)
-        code = shard[key]
-        if not code & _STORED:  # its store completed (else it was unpinned)
-            code |= _STORED
-            shard[key] = code
-        (self._t2 if code & _SECOND else self._t1).add(key, code)
+        self.mark_evictable_each((key,))
+
+    def mark_evictable_each(self, keys: Sequence[Key]) -> None:
+        shards, count = self._codes.layout()
+        into_t1: list[tuple[Key, int]] = []
+        into_t2: list[tuple[Key, int]] = []
+        for key in keys:
+            shard = shards[hash(key) % count]
+            code = shard[key]
+            if not code & _STORED:  # its store completed (else it was unpinned)
+                code |= _STORED
+                shard[key] = code
+            (into_t2 if code & _SECOND else into_t1).append((key, code))
+        self._t1.add_each(into_t1)
+        self._t2.add_each(into_t2)
 
     def mark_unevictable(self, key: Key) -> None:
-        code = self._codes[key]
-        (self._t2 if code & _SECOND else self._t1).remove(key, code)
+        self.mark_unevictable_each((key,))
+
+    def mark_unevictable_each(self, keys: Sequence[Key]) -> None:
+        shards, count = self._codes.layout()
+        out_of_t1: list[tuple[Key, int]] = []
+        out_of_t2: list[tuple[Key, int]] = []
+        for key in keys:
+            code = shards[hash(key) % count][key]
+            (out_of_t2 if code & _SECOND else out_of_t1).append((key, code))
+        self._t1.remove_each(out_of_t1)
+        self._t2.remove_each(out_of_t2)
 
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
         # ``is_ready`` is not needed: a key is ready once its store completed (_STORED).
         t1, t2 = self._t1, self._t2
-        shard_of = self._codes.shard
+        shards, count = self._codes.layout()
+        clock = self._clock
         for key in reversed(keys):
-            shard = shard_of(key)
+            shard = shards[hash(key) % count]
             code = shard.get(key)
             if code is None:
                 continue
             if code & _GHOST:
-                self._ghost_hit(key, code)
+                self._clock = clock
+                self._ghost_hit(key, code)  # it moves the clock
+                clock = self._clock
                 continue
-            self._clock += 1
+            clock += 1
             if not code & _STORED:
                 # Pending: only just inserted, which is not a second use. It stays in T1,
                 # as the most recent, and sits in no evictable order.
-                shard[key] = self._clock << _LOW_BITS
+                shard[key] = clock << _LOW_BITS
                 continue
             # A ready key moves to (or within) T2, as the most recent.
-            new_code = self._clock << _LOW_BITS | _STORED | _SECOND
+            new_code = clock << _LOW_BITS | _STORED | _SECOND
             shard[key] = new_code
-            if code & _SECOND:
-                if t2.discard(key, code):
+            if not code & _SECOND:
+                self._t1_size -= 1
+                self._t2_size += 1
+                if t1.discard(key, code):
                     t2.add(key, new_code)
-                continue
-            self._t1_size -= 1
-            self._t2_size += 1
-            if t1.discard(key, code):
+            elif t2.discard(key, code):
                 t2.add(key, new_code)
+        self._clock = clock
 
     def on_store_miss(self, keys: Sequence[Key]) -> None:
         # Before insert drops the ghost: in an engine's order a returning key is stored
         # again before it is touched, so this is where ARC sees it come back. The keys are
         # absent, so any code found is a ghost's.
-        get = self._codes.get
+        shards, count = self._codes.layout()
         for key in reversed(keys):
-            code = get(key)
+            code = shards[hash(key) % count].get(key)
             if code is not None:
                 self._ghost_hit(key, code)
 
     def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
+        # Victim by victim, T1 is preferred while its size, less the victims taken from it
+        # so far, is at least int(p); the preferred list's first candidate is taken, or
+        # the other list's when it has none. T1's size only falls as T1 gives victims, so
+        # that is at most three runs: T1 while preferred (the rest from T2 if T1 runs out,
+        # as it is still preferred), then T2, then T1 again once T2 has no candidate.
         t1_keys = self._candidates(self._t1, protected)
         t2_keys = self._candidates(self._t2, protected)
-        t1_head, t2_head = next(t1_keys, _END), next(t2_keys, _END)
-        t1_size = self._t1_size  # as it will be once the victims chosen so far are gone
-        victims: list[Key] = []
-        while len(victims) < need:
-            from_t1 = self._from_t1(t1_size, t1_head is not _END, t2_head is not _END)
-            head = t1_head if from_t1 else t2_head
-            if head is _END:
-                return None
-            victims.append(head)
-            if from_t1:
-                t1_head = next(t1_keys, _END)
-                t1_size -= 1
-            else:
-                t2_head = next(t2_keys, _END)
-        return victims
+        victims = list(islice(t1_keys, max(0, min(need, self._t1_size - int(self.p) + 1))))
+        victims += islice(t2_keys, need - len(victims))
+        if len(victims) < need and self.falls_back_to_t1:
+            victims += islice(t1_keys, need - len(victims))
+        return victims if len(victims) == need else None
 
     def evict(self, victims: Sequence[Key]) -> None:
-        codes, t1, t2, b1, b2 = self._codes, self._t1, self._t2, self._b1, self._b2
-        shard_of = codes.shard
+        codes, b1, b2 = self._codes, self._b1, self._b2
+        shards, count = codes.layout()
         clock = self._clock
+        out_of_t1: list[tuple[Key, int]] = []
+        out_of_t2: list[tuple[Key, int]] = []
         into_b1: list[tuple[Key, int]] = []
         into_b2: list[tuple[Key, int]] = []
         for key in victims:
-            shard = shard_of(key)
+            shard = shards[hash(key) % count]
             code = shard[key]
             clock += 1
-            ghost = clock << _LOW_BITS | _GHOST | (code & _SECOND)
-            shard[key] = ghost
             if code & _SECOND:
-                t2.remove(key, code)
+                ghost = clock << _LOW_BITS | _GHOST | _SECOND
+                out_of_t2.append((key, code))
                 into_b2.append((key, ghost))
             else:
-                t1.remove(key, code)
+                ghost = clock << _LOW_BITS | _GHOST
+                out_of_t1.append((key, code))
                 into_b1.append((key, ghost))
+            shard[key] = ghost
         self._clock = clock
+        self._t1.remove_each(out_of_t1)
+        self._t2.remove_each(out_of_t2)
         b1.extend(into_b1)  # the newest ghosts, in eviction order
         b2.extend(into_b2)
         self._t1_size -= len(into_b1)
-        self._b1_size += len(into_b1)
         self._t2_size -= len(into_b2)
-        self._b2_size += len(into_b2)
         # The ghost lists keep only the last ``capacity`` keys evicted from each list.
-        while self._b1_size > self.capacity:
-            self._b1_size -= 1
-            codes.pop(b1.pop_oldest())
-        while self._b2_size > self.capacity:
-            self._b2_size -= 1
-            codes.pop(b2.pop_oldest())
+        self._b1_size += len(into_b1)
+        if self._b1_size > self.capacity:
+            codes.pop_each(b1.pop_oldest_each(self._b1_size - self.capacity))
+            self._b1_size = self.capacity
+        self._b2_size += len(into_b2)
+        if self._b2_size > self.capacity:
+            codes.pop_each(b2.pop_oldest_each(self._b2_size - self.capacity))
+            self._b2_size = self.capacity
 
     def clear(self) -> None:
         for order in (self._t1, self._t2, self._b1, self._b2):
@@ -247,13 +278,6 @@ class ArcPolicy(EvictionPolicy):
         walk differently.
         """
         return unprotected(run, protected)
-
-    def _from_t1(self, t1_size: int, t1_has: bool, t2_has: bool) -> bool:
-        """Whether the next victim comes from T1: the preferred list, unless it has no
-        candidate left (vLLM fell back only from T1 to T2 until PR #55461).
-        """
-        prefer_t1 = t1_size >= int(self.p)
-        return t1_has if prefer_t1 else not t2_has
 
     def _ghost_hit(self, key: Key, code: int) -> None:
         """``key``, a ghost with ``code``, came back: adapt ``p``, and make it the most

@@ -32,6 +32,14 @@ class PolicyContractError(RuntimeError):
     """
 
 
+# Each per-key method and the batch form that defaults to it.
+_BATCH_FORMS = (
+    ("insert", "insert_each"),
+    ("mark_evictable", "mark_evictable_each"),
+    ("mark_unevictable", "mark_unevictable_each"),
+)
+
+
 class EvictionPolicy(ABC):
     """Base class of eviction policies; subclass it to plug in your own.
 
@@ -45,7 +53,9 @@ class EvictionPolicy(ABC):
     ``mark_evictable`` and ``mark_unevictable`` alternate, starting with
     ``mark_evictable``; ``evict`` only ever receives keys that are evictable, ``remove``
     only keys that are not. ``touch`` may name keys that are not resident: ignore them (or,
-    like ARC, use them as ghost hits).
+    like ARC, use them as ghost hits). The manager calls the batch forms
+    ``insert_each``, ``mark_evictable_each`` and ``mark_unevictable_each`` with a call's
+    keys; they default to the per-key methods, so a policy need only write those.
     """
 
     __slots__ = ("capacity",)
@@ -73,6 +83,32 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def mark_unevictable(self, key: Key) -> None:
         """A load pinned ``key``: it must not be chosen until marked evictable again."""
+
+    # The manager hands a whole call's keys to the batch forms below. Each defaults to its
+    # per-key method, key by key, and a subclass that overrides the per-key method but not
+    # the batch form gets that default back (``__init_subclass__``): an override of
+    # ``mark_evictable`` is never bypassed by an inherited, inlined ``mark_evictable_each``.
+
+    def insert_each(self, keys: Sequence[Key]) -> None:
+        """``insert`` each of ``keys``, in order."""
+        for key in keys:
+            self.insert(key)
+
+    def mark_evictable_each(self, keys: Sequence[Key]) -> None:
+        """``mark_evictable`` each of ``keys``, in order."""
+        for key in keys:
+            self.mark_evictable(key)
+
+    def mark_unevictable_each(self, keys: Sequence[Key]) -> None:
+        """``mark_unevictable`` each of ``keys``, in order."""
+        for key in keys:
+            self.mark_unevictable(key)
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        for single, batch in _BATCH_FORMS:
+            if single in cls.__dict__ and batch not in cls.__dict__:
+                setattr(cls, batch, getattr(EvictionPolicy, batch))
 
     @abstractmethod
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:

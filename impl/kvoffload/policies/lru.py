@@ -38,27 +38,44 @@ class LruPolicy(EvictionPolicy):
     def remove(self, key: Key) -> None:
         del self._stamps[key]
 
+    def insert_each(self, keys: Sequence[Key]) -> None:
+        clock = self._clock
+        self._clock = clock + len(keys)
+        self._stamps.set_each(keys, range(clock + 1, self._clock + 1))
+
     def mark_evictable(self, key: Key) -> None:
         self._evictable.add(key, self._stamps[key])
+
+    def mark_evictable_each(self, keys: Sequence[Key]) -> None:
+        self._evictable.add_each(list(zip(keys, self._stamps.values_of(keys), strict=True)))
 
     def mark_unevictable(self, key: Key) -> None:
         self._evictable.remove(key, self._stamps[key])
 
+    def mark_unevictable_each(self, keys: Sequence[Key]) -> None:
+        self._evictable.remove_each(zip(keys, self._stamps.values_of(keys), strict=True))
+
     def touch(self, keys: Sequence[Key], is_ready: Callable[[Key], bool]) -> None:
-        stamps = self._stamps
+        # Each resident key becomes the most recent, in reverse, so the first key ends newest.
+        shards, count = self._stamps.layout()
+        evictable = self._evictable
+        clock = self._clock
         for key in reversed(keys):
-            stamp = stamps.get(key)
+            shard = shards[hash(key) % count]
+            stamp = shard.get(key)
             if stamp is not None:
-                self._restamp(key, stamp)
+                clock += 1
+                shard[key] = clock
+                if evictable.discard(key, stamp):
+                    evictable.add(key, clock)
+        self._clock = clock
 
     def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
         victims = list(itertools.islice(self._candidates(protected), need))
         return victims if len(victims) == need else None
 
     def evict(self, victims: Sequence[Key]) -> None:
-        pop, remove = self._stamps.pop, self._evictable.remove
-        for key in victims:
-            remove(key, pop(key))
+        self._evictable.remove_each(zip(victims, self._stamps.pop_each(victims), strict=True))
 
     def clear(self) -> None:
         self._evictable.clear()
@@ -80,13 +97,6 @@ class LruPolicy(EvictionPolicy):
     def _candidates(self, protected: Container[Key]) -> Iterator[Key]:
         """Victim candidates, best first: a subclass may walk differently."""
         return unprotected(self._evictable, protected)
-
-    def _restamp(self, key: Key, stamp: int) -> None:
-        """Make the resident ``key``, stamped ``stamp`` until now, the most recent."""
-        self._clock += 1
-        self._stamps[key] = self._clock
-        if self._evictable.discard(key, stamp):
-            self._evictable.add(key, self._clock)
 
     def _tick(self) -> int:
         self._clock += 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from bisect import bisect_left, insort
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
-from itertools import chain, filterfalse
+from itertools import chain, filterfalse, islice
 from operator import itemgetter
 from typing import Any
 
@@ -78,11 +78,53 @@ class StampOrder:
         else:
             insort(ids, at)
 
-    def extend(self, pairs: Iterable[tuple[Key, int]]) -> None:
-        """``add`` each ``(key, stamp)`` of ``pairs``, whose stamps ascend and exceed every
-        stamp here (ARC's new ghosts): one Python step per key, not a call.
-        """
+    def add_each(self, pairs: list[tuple[Key, int]]) -> None:
+        """``add`` each ``(key, stamp)`` of ``pairs`` (which it may reorder)."""
+        if not pairs:
+            return
+        # Sorted first (in C; a run that descends, as a touched store's keys do, is
+        # reversed in one pass), the pairs fall into runs of one bucket each, found by
+        # bisection; each run goes into its bucket with one dict.update, and marks the
+        # bucket unsorted only if it starts below the bucket's newest entry.
+        pairs.sort(key=_BY_STAMP)
+        if pairs[0][1] > self._newest:
+            self.extend(pairs)
+            return
         buckets, ids, bits = self._buckets, self._ids, self._bits
+        start = 0
+        while start < len(pairs):
+            first = pairs[start][1]
+            at = first >> bits
+            end = bisect_left(pairs, (at + 1) << bits, start, key=_BY_STAMP)
+            bucket = buckets.get(at)
+            if bucket is None:
+                bucket = buckets[at] = {}
+                if not ids or ids[-1] < at:
+                    ids.append(at)
+                else:
+                    insort(ids, at)
+            elif first < next(reversed(bucket.values())):
+                self._unsorted.add(at)
+            bucket.update(pairs[start:end])
+            start = end
+        self._newest = max(self._newest, pairs[-1][1])
+
+    def extend(self, pairs: list[tuple[Key, int]]) -> None:
+        """``add`` each ``(key, stamp)`` of ``pairs``, whose stamps ascend and exceed every
+        stamp here (ARC's new ghosts, a completed store's keys).
+        """
+        if not pairs:
+            return
+        buckets, ids, bits = self._buckets, self._ids, self._bits
+        at = pairs[-1][1] >> bits
+        if pairs[0][1] >> bits == at:  # all in one bucket, as a call's keys nearly always are
+            bucket = buckets.get(at)
+            if bucket is None:
+                bucket = buckets[at] = {}
+                ids.append(at)
+            bucket.update(pairs)  # in C
+            self._newest = pairs[-1][1]
+            return
         at, bucket, stamp = -1, {}, self._newest
         for key, stamp in pairs:
             if stamp >> bits != at:
@@ -112,6 +154,15 @@ class StampOrder:
         if not bucket:
             self._drop(at)
 
+    def remove_each(self, pairs: Iterable[tuple[Key, int]]) -> None:
+        """``remove`` each ``(key, stamp)`` of ``pairs``, all of them here."""
+        buckets, bits = self._buckets, self._bits
+        for key, stamp in pairs:
+            bucket = buckets[stamp >> bits]
+            del bucket[key]
+            if not bucket:
+                self._drop(stamp >> bits)
+
     def contains(self, key: Key, stamp: int) -> bool:
         """Whether ``key``, whose stamp is ``stamp``, is here."""
         return key in self._buckets.get(stamp >> self._bits, ())
@@ -125,6 +176,25 @@ class StampOrder:
         if not bucket:
             self._drop(at)
         return oldest
+
+    def pop_oldest_each(self, count: int) -> list[Key]:
+        """Remove and return the ``count`` keys with the least stamps, oldest first
+        (IndexError when there are fewer): whole buckets at a time.
+        """
+        taken: list[Key] = []
+        while len(taken) < count:
+            at = self._ids[0]
+            bucket = self._bucket(at)
+            wanted = count - len(taken)
+            if wanted >= len(bucket):
+                taken += bucket
+                self._drop(at)
+            else:
+                oldest = list(islice(bucket, wanted))
+                for key in oldest:
+                    del bucket[key]
+                taken += oldest
+        return taken
 
     def __iter__(self) -> Iterator[Key]:
         """Oldest first. Nothing may be added or removed while the iteration runs."""
