@@ -552,13 +552,15 @@ class OffloadManager:
         ``evicted`` (not in the heap) counting as free.
         """
         freed = self._freed
-        if evicted:
-            # Victims are only chosen to make exactly enough room: every free block id is
-            # taken, so they are sorted together rather than pushed and popped one by one.
+        if len(freed) + len(evicted) + self._num_blocks - self._fresh == count:
+            # Victims make exactly enough room: every free block id is taken, so they are
+            # sorted together rather than pushed and popped one by one.
             every_free = sorted([*freed, *evicted])
             freed.clear()
             fresh, self._fresh = self._fresh, self._num_blocks
             return (*every_free, *range(fresh, self._num_blocks))
+        for block_id in evicted:  # more room than needed: the rest stays free
+            heapq.heappush(freed, block_id)
         reused = min(count, len(freed))
         taken = tuple(map(heapq.heappop, repeat(freed, reused)))
         if reused == count:  # enough block ids freed earlier (failed or abandoned stores)
