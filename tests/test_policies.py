@@ -7,6 +7,7 @@ reports; and how ``resolve_policy`` refuses a policy it cannot use."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +17,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvoffload.manager import OffloadManager
+from kvoffload.policies import BUILTIN_POLICIES
 from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.loading import resolve_policy
@@ -24,7 +27,7 @@ from kvoffload_spec.errors import (
     UnknownPolicyError,
 )
 from kvoffload_spec.policies import ArcOrder, LruOrder, PolicyOrder
-from kvoffload_spec.surface import Key
+from kvoffload_spec.surface import Key, Lookup
 from tests.helpers import reported
 from tests.policy_machine import CAPACITY, PolicyAgainstSpec, stands_for
 
@@ -191,6 +194,56 @@ def test_repeated_stamps_are_reported() -> None:
     built(lru, LruOrder(), ("T1", "T1", "absent", "absent"))
     lru._stamps[1] = lru._stamps[0]
     assert "LRU stamps repeat" in lru.check_invariants(evictable_in(fates))
+
+
+# -- a subclass that overrides a per-key method ------------------------------------------------
+
+
+def counting_subclass(base: type[EvictionPolicy]) -> tuple[type[EvictionPolicy], Counter[str]]:
+    """``base`` with its per-key methods overridden to count their calls (in the counter
+    returned beside it) and defer to it."""
+    calls: Counter[str] = Counter()
+
+    class Counting(base):  # type: ignore[valid-type,misc]
+        def insert(self, key: Key) -> None:
+            calls["insert"] += 1
+            super().insert(key)
+
+        def mark_evictable(self, key: Key) -> None:
+            calls["mark_evictable"] += 1
+            super().mark_evictable(key)
+
+        def mark_unevictable(self, key: Key) -> None:
+            calls["mark_unevictable"] += 1
+            super().mark_unevictable(key)
+
+    return Counting, calls
+
+
+def lookups_after_a_history(policy: type[EvictionPolicy]) -> list[Lookup]:
+    """Stores that evict, a load, and every key looked up after."""
+    manager = OffloadManager(3, policy)
+    for batch in (["a", "b"], ["c"], ["d", "e"], ["a"]):
+        plan = manager.prepare_store(batch)
+        assert plan is not None
+        manager.complete_store(plan)
+        load = manager.prepare_load(batch[:1])
+        manager.touch(batch)
+        manager.complete_load(load)
+    manager.check_invariants()
+    return [manager.lookup(key) for key in "abcde"]
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_POLICIES))
+def test_a_subclass_overriding_the_per_key_methods_is_called_for_every_key(name: str) -> None:
+    """The manager calls the batch forms; a subclass that overrides only the per-key methods
+    gets each of its overrides called once per key (and no recursion through ``super``),
+    and the policy behaves as its base does."""
+    base = BUILTIN_POLICIES[name]
+    counting, calls = counting_subclass(base)
+    assert lookups_after_a_history(counting) == lookups_after_a_history(base)
+    # six keys stored and completed ("a" twice: evicted in between), four loads of one key
+    assert calls == {"insert": 6, "mark_evictable": 6 + 4, "mark_unevictable": 4}
 
 
 # -- what resolve_policy says when it cannot ---------------------------------------------------

@@ -71,8 +71,11 @@ class ArcPolicy(EvictionPolicy):
         self.p: float = 0.0
         self._clock = 0
 
+    # The per-key methods call ARC's own batch forms by class, not through ``self``: a
+    # subclass that overrides ``insert`` (say) gets the base class's ``insert_each``, a loop
+    # over ``self.insert``, and its ``super().insert`` would otherwise come back to itself.
     def insert(self, key: Key) -> None:
-        self.insert_each((key,))
+        ArcPolicy.insert_each(self, (key,))
 
     def insert_each(self, keys: Sequence[Key]) -> None:
         shards, count = self._codes.layout()
@@ -94,7 +97,7 @@ class ArcPolicy(EvictionPolicy):
             self._t1_size -= 1
 
     def mark_evictable(self, key: Key) -> None:
-        self.mark_evictable_each((key,))
+        ArcPolicy.mark_evictable_each(self, (key,))
 
     def mark_evictable_each(self, keys: Sequence[Key]) -> None:
         shards, count = self._codes.layout()
@@ -111,7 +114,7 @@ class ArcPolicy(EvictionPolicy):
         self._t2.add_each(into_t2)
 
     def mark_unevictable(self, key: Key) -> None:
-        self.mark_unevictable_each((key,))
+        ArcPolicy.mark_unevictable_each(self, (key,))
 
     def mark_unevictable_each(self, keys: Sequence[Key]) -> None:
         shards, count = self._codes.layout()
