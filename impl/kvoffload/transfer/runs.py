@@ -128,14 +128,13 @@ class BlockMapping:
         # Per-layer tensors with k = 1 (a CPU block's layers back to back): a pair never
         # continues the previous one's run in the pool, so the search for runs is skipped.
         self._can_merge = bool(self._packed.any()) and (self._runs_cross_cpu_blocks or factor > 1)
-        self._rows = rows
-        self.rows = tuple(rows)
+        self.rows = tuple(rows)  # the copiers that take RunPairs read the rows too
 
     def runs(self, device_ids: IdArray, cpu_ids: IdArray, *, to_cpu: bool) -> CopyRuns:
         """The runs of one job; ids are validated already (``len(device_ids) == factor *
         len(cpu_ids)``, destinations distinct).
         """
-        if len(device_ids) * len(self._rows) <= self.small_job or not len(device_ids):
+        if len(device_ids) * len(self.rows) <= self.small_job or not len(device_ids):
             return self._small_runs(device_ids.tolist(), cpu_ids.tolist(), to_cpu)
         return self._vector_runs(device_ids, cpu_ids, to_cpu)
 
@@ -145,7 +144,7 @@ class BlockMapping:
         pairs = sorted(zip(device_ids, subs, strict=True), key=itemgetter(1 if to_cpu else 0))
         columns: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         segment, device_offset, cpu_offset, nbytes = columns
-        for index, base, stride, size, offset, packed in self._rows:
+        for index, base, stride, size, offset, packed in self.rows:
             previous = (-2, -2)
             for device, sub in pairs:
                 if packed and previous == (device - 1, sub - 1) and (cross or sub % k):
@@ -175,7 +174,7 @@ class BlockMapping:
         row, block = starts // n, starts % n
         lengths = np.empty_like(starts)
         lengths[:-1] = starts[1:] - starts[:-1]
-        lengths[-1] = n * len(self._rows) - starts[-1]
+        lengths[-1] = n * len(self.rows) - starts[-1]
         first_sub = sub[block]
         return CopyRuns(
             segment=self._segment[row],
