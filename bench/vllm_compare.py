@@ -11,7 +11,11 @@ vLLM"):
    ``ReqContext`` per request (those two calls count among its calls). The keys are the
    same ``bytes`` objects for both (vLLM's ``OffloadKey`` is bytes). Calls per second for
    each, and the ratio of the times (vLLM's time / ours: > 1 means ours is faster).
-2. ``one_victim``: ``prepare_store`` + ``complete_store`` of one new key into a full pool
+2. ``floor``: the same replay through ``FloorManager`` (bench/floor_manager.py), our
+   manager with a policy that keeps no order: the manager's own cost, which every policy
+   pays before its own work. vLLM's time over it is the most any policy of ours could
+   reach on that row.
+3. ``one_victim``: ``prepare_store`` + ``complete_store`` of one new key into a full pool
    with 99% of its blocks pinned (the least recent ones, which a walk meets first), at
    10k, 100k and 400k blocks: microseconds per call, median and maximum.
 
@@ -40,6 +44,7 @@ from typing import Any
 
 import numpy
 
+from floor_manager import FloorManager
 from kvoffload.manager import OffloadManager
 from kvoffload.traces import BUNDLED_TRACES, bundled_trace
 from manager_bench import replay
@@ -82,6 +87,16 @@ class ReplayRow:
 
 
 @dataclass(frozen=True)
+class FloorRow:
+    trace: str
+    blocks: int
+    calls: int
+    floor_s: float  # our manager with a policy that keeps no order
+    vllm_s: dict[str, float]  # by policy, from the replay rows
+    ceiling: dict[str, float]  # vLLM's time / the floor: the most any policy could reach
+
+
+@dataclass(frozen=True)
 class OneVictimRow:
     blocks: int
     policy: str
@@ -101,6 +116,7 @@ class Result:
     platform: str
     command: str
     replay: list[ReplayRow]
+    floor: list[FloorRow]
     one_victim: list[OneVictimRow]
     ratio_met: bool
 
@@ -174,6 +190,10 @@ def replay_fresh_ours(
     return replay(OffloadManager(blocks, policy), requests)
 
 
+def replay_floor(blocks: int, requests: Sequence[Sequence[bytes]]) -> tuple[int, int]:
+    return replay(FloorManager(blocks), requests)
+
+
 def replay_fresh_vllm(
     manager_class: Any, blocks: int, policy: str, context: Any, requests: Sequence[Sequence[bytes]]
 ) -> tuple[int, int]:
@@ -193,19 +213,25 @@ def timed(run: Callable[[], tuple[int, int]], rounds: int) -> tuple[float, int, 
     return best, calls, hits
 
 
-def bench_replay(sizes: Sizes, vllm_manager: Any, context: Any) -> list[ReplayRow]:
+def bench_replay(
+    sizes: Sizes, vllm_manager: Any, context: Any
+) -> tuple[list[ReplayRow], list[FloorRow]]:
     rows: list[ReplayRow] = []
+    floors: list[FloorRow] = []
     for name in BUNDLED_TRACES:
         trace = bundled_trace(name)
         requests = as_keys(trace.requests[: sizes.requests])
         for blocks in sizes.capacities:
+            floor = functools.partial(replay_floor, blocks, requests)
+            floor_s, floor_calls, _ = timed(floor, sizes.rounds)
+            vllm_s: dict[str, float] = {}
             for policy in POLICIES:
                 ours = functools.partial(replay_fresh_ours, blocks, policy, requests)
                 ours_s, ours_calls, ours_hits = timed(ours, sizes.rounds)
                 theirs = functools.partial(
                     replay_fresh_vllm, vllm_manager, blocks, policy, context, requests
                 )
-                vllm_s, vllm_calls, vllm_hits = timed(theirs, sizes.rounds)
+                vllm_s[policy], vllm_calls, vllm_hits = timed(theirs, sizes.rounds)
                 rows.append(
                     ReplayRow(
                         name,
@@ -216,14 +242,16 @@ def bench_replay(sizes: Sizes, vllm_manager: Any, context: Any) -> list[ReplayRo
                         ours_s,
                         ours_calls / ours_s,
                         vllm_calls,
-                        vllm_s,
-                        vllm_calls / vllm_s,
-                        vllm_s / ours_s,
+                        vllm_s[policy],
+                        vllm_calls / vllm_s[policy],
+                        vllm_s[policy] / ours_s,
                         ours_hits,
                         vllm_hits,
                     )
                 )
-    return rows
+            ceiling = {policy: seconds / floor_s for policy, seconds in vllm_s.items()}
+            floors.append(FloorRow(name, blocks, floor_calls, floor_s, vllm_s, ceiling))
+    return rows, floors
 
 
 def key(index: int) -> bytes:
@@ -334,8 +362,24 @@ def render(result: Result) -> str:
             for r in result.replay
         ],
     )
+    floor = table(
+        "2. the manager's own floor: ours with a policy that keeps no order (CPU seconds)",
+        ["trace", "blocks", "floor s", "vLLM LRU s", "vLLM ARC s", "ceiling LRU", "ceiling ARC"],
+        [
+            [
+                r.trace,
+                f"{r.blocks:,}",
+                f"{r.floor_s:.3f}",
+                f"{r.vllm_s['lru']:.3f}",
+                f"{r.vllm_s['arc']:.3f}",
+                f"{r.ceiling['lru']:.2f}x",
+                f"{r.ceiling['arc']:.2f}x",
+            ]
+            for r in result.floor
+        ],
+    )
     victims = table(
-        "2. one-victim prepare_store + complete_store, 99% pinned (us per call)",
+        "3. one-victim prepare_store + complete_store, 99% pinned (us per call)",
         ["blocks", "policy", "ours median", "ours max", "vLLM median", "vLLM max", "vLLM calls"],
         [
             [
@@ -353,7 +397,8 @@ def render(result: Result) -> str:
     verdict = "met" if result.ratio_met else "MISSED"
     return (
         f"{replay}\nratio = vLLM's time / ours; target >= {TARGET_RATIO:.0f}x for every row: "
-        f"{verdict}\n\n{victims}\n\nvLLM {result.vllm_version}, Python {result.python}, "
+        f"{verdict}\n\n{floor}\nceiling = vLLM's time / the floor: the most any policy "
+        f"could reach\n\n{victims}\n\nvLLM {result.vllm_version}, Python {result.python}, "
         f"{result.platform}\n"
     )
 
@@ -372,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     command = " ".join(["python bench/vllm_compare.py", *(argv or sys.argv[1:])])
     print("1/2 trace replays ...", file=sys.stderr, flush=True)
-    replay = bench_replay(sizes, manager_class, context)
+    replay, floor = bench_replay(sizes, manager_class, context)
     print("2/2 one-victim stores ...", file=sys.stderr, flush=True)
     one_victim = bench_one_victim(sizes, manager_class, context)
     result = Result(
@@ -382,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         platform.platform(),
         command,
         replay,
+        floor,
         one_victim,
         ratio_met=all(row.ratio >= TARGET_RATIO for row in replay),
     )

@@ -221,3 +221,82 @@ def test_the_remote_benchmark_starts_its_server_and_writes_what_it_prints(
         assert_positive_numbers(row, "store_alloc_per_byte", "client_alloc_per_byte")
     for row in listed(printed, "latency"):
         assert_positive_numbers(row, "store_median_us", "store_p99_us", "client_median_us")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_floor_manager_keeps_the_managers_invariants(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its victims go unchecked, so a wrong one would corrupt the tables: random histories
+    with loads left open and stores that fail, the invariants checked after every call.
+    """
+    monkeypatch.syspath_prepend(str(BENCH))
+    from floor_manager import FloorManager
+
+    rng = random.Random(seed)
+    manager = FloorManager(4)
+    stores: list[StorePlan] = []
+    loads: list[LoadPlan] = []
+    stored = evicted = 0
+    for _ in range(300):
+        action = rng.choice(("store", "store", "complete", "load", "unload", "touch"))
+        chosen = rng.sample(range(8), rng.randint(1, 3))
+        if action == "store":
+            plan = manager.prepare_store(chosen)
+            if plan is not None:
+                assert not set(plan.evicted_keys) & set(chosen)  # the call's keys stay
+                stores.append(plan)
+                evicted += len(plan.evicted_keys)
+        elif action == "complete" and stores:
+            store_plan = stores.pop(rng.randrange(len(stores)))
+            success = rng.random() < 0.8
+            manager.complete_store(store_plan, success)
+            stored += len(store_plan.keys) if success else 0
+        elif action == "load":
+            ready = [key for key in chosen if manager.lookup(key) is Lookup.HIT]
+            if ready:
+                loads.append(manager.prepare_load(ready))
+        elif action == "unload" and loads:
+            manager.complete_load(loads.pop(rng.randrange(len(loads))))
+        else:
+            manager.touch(chosen)
+        manager.check_invariants()
+    assert stored > 10 and evicted > 10  # the histories did fill the pool and evict
+
+
+@pytest.mark.slow  # vLLM's own manager at small sizes, ~20 s
+def test_the_vllm_comparison_writes_its_rows_and_the_floor(tmp_path: Path) -> None:
+    out = tmp_path / "vllm.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "vllm_compare.py"), "--quick", "--json", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    assert json.loads(out.read_text(encoding="utf-8")) == printed
+    assert printed["benchmark"] == "vllm_compare" and printed["vllm_version"] == "0.33.0"
+    replay = listed(printed, "replay")
+    assert {(row["trace"], row["policy"]) for row in replay} == {
+        (trace, policy) for trace in ("conversation", "synthetic") for policy in ("lru", "arc")
+    }
+    for row in replay:
+        assert row["ours_hits"] == row["vllm_hits"], row  # the same evictions in both
+        ours_s, vllm_s, ratio = assert_positive_numbers(row, "ours_s", "vllm_s", "ratio")
+        assert ratio == pytest.approx(vllm_s / ours_s)
+    for row in listed(printed, "floor"):
+        floor_s = assert_positive_numbers(row, "floor_s")[0]
+        vllm_by_policy, ceiling = row["vllm_s"], row["ceiling"]
+        assert isinstance(vllm_by_policy, dict) and isinstance(ceiling, dict)
+        for policy in ("lru", "arc"):
+            theirs = [
+                r["vllm_s"]
+                for r in replay
+                if (r["trace"], r["blocks"], r["policy"]) == (row["trace"], row["blocks"], policy)
+            ]
+            assert isinstance(theirs[0], float)
+            assert vllm_by_policy[policy] == theirs[0]
+            assert ceiling[policy] == pytest.approx(theirs[0] / floor_s)
+    assert [row["policy"] for row in listed(printed, "one_victim")] == ["lru", "arc"]
