@@ -22,19 +22,27 @@ from kvoffload_spec.surface import LoadPlan, Lookup, StorePlan
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, object], Path]:
-    out = tmp_path_factory.mktemp("bench") / "manager.json"
+def run_quick(script: str, out: Path, timeout: int) -> dict[str, object]:
+    """``bench/<script> --quick --json --out <out>``: what it printed, which must be what
+    it wrote.
+    """
     done = subprocess.run(
-        [sys.executable, str(BENCH / "manager_bench.py"), "--quick", "--json", "--out", str(out)],
+        [sys.executable, str(BENCH / script), "--quick", "--json", "--out", str(out)],
         capture_output=True,
         text=True,
         check=False,
-        timeout=120,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr
     printed: dict[str, object] = json.loads(done.stdout)
-    return printed, out
+    assert json.loads(out.read_text(encoding="utf-8")) == printed
+    return printed
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, object], Path]:
+    out = tmp_path_factory.mktemp("bench") / "manager.json"
+    return run_quick("manager_bench.py", out, timeout=120), out
 
 
 def section(result: dict[str, object], name: str) -> dict[str, object]:
@@ -193,17 +201,7 @@ def test_the_vllm_comparison_says_why_it_measures_nothing_without_vllm() -> None
 def test_the_remote_benchmark_starts_its_server_and_writes_what_it_prints(
     tmp_path: Path,
 ) -> None:
-    out = tmp_path / "remote.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "remote_bench.py"), "--quick", "--json", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    printed: dict[str, object] = json.loads(done.stdout)
-    assert json.loads(out.read_text(encoding="utf-8")) == printed
+    printed = run_quick("remote_bench.py", tmp_path / "remote.json", timeout=120)
     assert printed["benchmark"] == "remote" and printed["quick"] is True
     assert str(printed["server"]).startswith(("Valkey server", "Redis server"))
     throughput = listed(printed, "throughput")
@@ -266,17 +264,7 @@ def test_the_floor_manager_keeps_the_managers_invariants(
 
 @pytest.mark.slow  # vLLM's own manager at small sizes, ~20 s
 def test_the_vllm_comparison_writes_its_rows_and_the_floor(tmp_path: Path) -> None:
-    out = tmp_path / "vllm.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "vllm_compare.py"), "--quick", "--json", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    printed = json.loads(done.stdout)
-    assert json.loads(out.read_text(encoding="utf-8")) == printed
+    printed = run_quick("vllm_compare.py", tmp_path / "vllm.json", timeout=300)
     assert printed["benchmark"] == "vllm_compare" and printed["vllm_version"] == "0.33.0"
     replay = listed(printed, "replay")
     assert {(row["trace"], row["policy"]) for row in replay} == {
