@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -84,6 +85,16 @@ def test_popping_from_empty_ordered_keys_raises_key_error() -> None:
     except KeyError:
         return
     raise AssertionError("pop_oldest of nothing returned")
+
+
+@pytest.mark.parametrize("limit", [1, 3, 600])
+def test_append_within_keeps_exactly_the_newest_limit_keys(limit: int) -> None:
+    """The duel policy's history: past its limit it holds exactly the last ``limit`` keys."""
+    keys: OrderedKeys[int] = OrderedKeys(10)
+    for key in range(2 * limit + 5):
+        keys.append_within(key, limit)
+        assert list(keys) == list(range(max(0, key + 1 - limit), key + 1))
+        assert len(keys) == min(key + 1, limit)
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 5_000)), max_size=300))
