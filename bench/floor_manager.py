@@ -6,13 +6,14 @@ evictable keys in the order they became evictable, skipping the protected ones: 
 work any correct policy can do. ``FloorManager`` also skips the check of a plugged-in
 policy's victims, as the manager does for its built-ins. What a replay through it costs
 is what every policy pays before its own bookkeeping; no policy can make the manager
-faster than that. The smoke test holds the pair to the manager's invariants.
+faster than that. The smoke test holds the pair to the spec with the conformance kit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
 from itertools import filterfalse, islice
+from typing import Any
 
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.base import EvictionPolicy
@@ -83,8 +84,9 @@ class FloorManager(OffloadManager):
     built-in policies: they are tested, not checked on every call).
     """
 
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks, UnorderedPolicy)
+    def __init__(self, num_blocks: int, **options: Any) -> None:
+        """``options``: ``OffloadManager``'s keyword arguments (the conformance kit's)."""
+        super().__init__(num_blocks, UnorderedPolicy, **options)
 
     def _check_victims(self, victims: list[Key], need: int, protected: Container[Key]) -> None:
         return
