@@ -59,7 +59,7 @@ if ! "$PY" -c 'import pytest, hypothesis, numpy' 2>/dev/null; then
 fi
 
 step pytest 220 "$PY" -m pytest -q -rs --durations=10 \
-    tests/test_layout.py tests/test_transfer.py tests/test_offloader.py \
+    tests/test_layout.py tests/test_transfer.py tests/test_run_planner.py tests/test_copiers.py tests/test_offloader.py \
     tests/test_offloader_stateful.py
 
 step transfer 140 "$PY" bench/transfer_bench.py --device cuda --out "$OUT/transfer_cuda.json"

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy
 
 from kvoffload.manager import OffloadManager
-from kvoffload.traces import Trace, bundled_trace
+from kvoffload.replay.traces import Trace, bundled_trace
 from kvoffload_spec.surface import Key, Lookup
 from naive_manager import naive_manager
 
@@ -585,7 +585,7 @@ def conversation_trace() -> Trace:
 
 
 def replay(manager: OffloadManager, requests: Sequence[Sequence[Key]]) -> tuple[int, int]:
-    """The engine's calls per request (the order of ``kvoffload.sweep``): look the prefix
+    """The engine's calls per request (the order of ``kvoffload.replay.sweep``): look the prefix
     up, load the hits, store the rest, touch the request, complete the store. Returns the
     number of manager calls and of prefix hits.
     """

@@ -46,7 +46,7 @@ import numpy
 
 from floor_manager import FloorManager
 from kvoffload.manager import OffloadManager
-from kvoffload.traces import BUNDLED_TRACES, bundled_trace
+from kvoffload.replay.traces import BUNDLED_TRACES, bundled_trace
 from manager_bench import replay
 
 RESULTS = Path(__file__).resolve().parent / "results"

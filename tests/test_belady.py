@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kvoffload.belady
-from kvoffload.belady import belady_hits, next_uses
-from kvoffload.traces import bundled_trace
+import kvoffload.replay.belady
+from kvoffload.replay.belady import belady_hits, next_uses
+from kvoffload.replay.traces import bundled_trace
 from kvoffload_spec.errors import InvalidArgumentError
 
 
 def test_module_examples() -> None:
-    assert doctest.testmod(kvoffload.belady).failed == 0
+    assert doctest.testmod(kvoffload.replay.belady).failed == 0
 
 
 # The reference figures published with the traces, from an independent simulation

@@ -13,8 +13,8 @@ import pytest
 
 from kvoffload.policies import BUILTIN_POLICIES, resolve_policy
 from kvoffload.policies.lru import LruPolicy
-from kvoffload.sweep import SWEEP_POLICIES, cpu_stream, new_manager, replay
-from kvoffload.traces import load_trace
+from kvoffload.replay.sweep import SWEEP_POLICIES, cpu_stream, new_manager, replay
+from kvoffload.replay.traces import load_trace
 from kvoffload_spec.errors import InvalidArgumentError
 from tests.helpers import run_cli
 from tests.planted import VERIFY, Planted, share
@@ -156,7 +156,7 @@ def test_every_entry_point_takes_its_defaults_from_the_one_place() -> None:
 
     from kvoffload import Offloader, OffloadManager
     from kvoffload.cli import build_parser
-    from kvoffload.simulate import SimulationConfig
+    from kvoffload.replay.simulate import SimulationConfig
     from kvoffload_spec import defaults
 
     def default_of(function: object, name: str) -> object:

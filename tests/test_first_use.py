@@ -222,7 +222,7 @@ def test_the_sweep_command_takes_a_policy_of_your_own_by_module_and_class(
 def test_sweep_json_carries_the_context_the_table_shows(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from kvoffload.traces import bundled_trace
+    from kvoffload.replay.traces import bundled_trace
 
     argv = ["sweep", "--trace", "synthetic", "--gpu-blocks", "400", "--capacities", "1k"]
     assert main([*argv, "--policies", "lru", "--json"]) == 0
@@ -265,12 +265,12 @@ def test_an_empty_or_negative_flag_is_a_usage_error_that_says_so(
 def test_the_plot_target_is_checked_before_the_sweep_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import kvoffload.sweep
+    import kvoffload.replay.sweep
 
     def no_sweep(*args: object, **kwargs: object) -> None:
         raise AssertionError("the sweep ran before the plot's path was checked")
 
-    monkeypatch.setattr(kvoffload.sweep, "sweep", no_sweep)
+    monkeypatch.setattr(kvoffload.replay.sweep, "sweep", no_sweep)
     argv = ["sweep", "--trace", "synthetic", "--plot"]
     assert main([*argv, str(tmp_path / "no" / "such" / "dir" / "curves.png")]) == 1
     assert "no directory" in capsys.readouterr().err

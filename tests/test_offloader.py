@@ -265,7 +265,7 @@ def test_a_manager_that_cannot_be_built_leaves_no_engine_behind() -> None:
 
 
 def test_the_managers_offer_the_one_protocol_the_offloader_drives() -> None:
-    from kvoffload.simulate import TimedManager
+    from kvoffload.replay.timing import TimedManager
 
     manager = OffloadManager(2)
     for whole in (manager, OffloadModel(2)):

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from kvoffload._moved import MOVED
+
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ("README.md", "docs", "impl", "spec", "bench")
 # Files a user does not have: the planning notes and the folder beside the repository.
@@ -94,3 +98,23 @@ def test_a_missing_test_dependency_fails_the_gate() -> None:
         if pattern.search(line)
     ]
     assert offenders == []
+
+
+@pytest.mark.parametrize("old_name", sorted(MOVED))
+def test_a_moved_module_keeps_its_old_name_with_a_warning(old_name: str) -> None:
+    """Code written against the flat layout keeps working: the old name is the new module
+    itself (so patching one patches both), and importing it says where it went."""
+    probe = (
+        "import importlib, warnings\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module({old_name!r})\n"
+        f"new = importlib.import_module({MOVED[old_name]!r})\n"
+        "print(old is new, [str(w.message) for w in seen if w.category is DeprecationWarning])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    same, messages = done.stdout.strip().split(" ", 1)
+    assert same == "True"
+    assert MOVED[old_name] in messages and old_name in messages

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kvoffload.sweep
-from kvoffload.belady import belady_hits
-from kvoffload.device_cache import DevicePrefixCache
+import kvoffload.replay.sweep
 from kvoffload.policies import LruPolicy
-from kvoffload.sweep import (
+from kvoffload.replay.belady import belady_hits
+from kvoffload.replay.device_cache import DevicePrefixCache
+from kvoffload.replay.sweep import (
     PolicyName,
     SweepPoint,
     cpu_stream,
@@ -22,14 +22,14 @@ from kvoffload.sweep import (
     replay,
     sweep,
 )
-from kvoffload.traces import Request, Trace, bundled_trace
+from kvoffload.replay.traces import Request, Trace, bundled_trace
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
 from kvoffload_spec.surface import Key, ManagerOperations
 
 
 def test_module_examples() -> None:
-    assert doctest.testmod(kvoffload.sweep).failed == 0
+    assert doctest.testmod(kvoffload.replay.sweep).failed == 0
 
 
 # The reference figures published with the traces: a single-tier LRU cache in the engine's

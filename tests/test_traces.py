@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import kvoffload.traces
-from kvoffload.traces import (
+import kvoffload.replay.traces
+from kvoffload.replay.traces import (
     BUNDLED_TRACES,
     TraceError,
     bundled_trace,
@@ -21,7 +21,7 @@ from kvoffload_spec.errors import InvalidArgumentError
 
 
 def test_module_examples() -> None:
-    assert doctest.testmod(kvoffload.traces).failed == 0
+    assert doctest.testmod(kvoffload.replay.traces).failed == 0
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_bundled_traces_match_their_published_table(
 
 
 def test_the_bundled_data_carries_its_attribution() -> None:
-    notice = Path(kvoffload.traces.__file__).parent / "data" / "NOTICE"
+    notice = Path(kvoffload.replay.traces.__file__).parent.parent / "data" / "NOTICE"
     text = notice.read_text(encoding="utf-8")
     assert "Apache License 2.0" in text and "Mooncake" in text
     for name in BUNDLED_TRACES:
@@ -128,7 +128,7 @@ def test_a_request_that_repeats_an_id_is_refused_with_its_line(tmp_path: Path) -
     with pytest.raises(TraceError, match=r"repeats.jsonl:3: hash_ids\[1\] repeats hash_ids\[0\]"):
         load_trace(path)
     with pytest.raises(TraceError, match=r"requests\[1\]: hash_ids\[2\] repeats hash_ids\[0\]"):
-        kvoffload.traces.Trace("t", ((1, 2), (3, 4, 3)))
+        kvoffload.replay.traces.Trace("t", ((1, 2), (3, 4, 3)))
 
 
 def test_the_command_names_the_repeated_id_and_its_line(
@@ -146,10 +146,10 @@ def test_the_command_names_the_repeated_id_and_its_line(
 def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path: Path) -> None:
     trace = bundled_trace("synthetic")
     zipped = tmp_path / "mine.jsonl.gz"
-    kvoffload.traces.save_trace(trace, zipped)
-    kvoffload.traces.save_trace(trace, tmp_path / "mine.jsonl")
+    kvoffload.replay.traces.save_trace(trace, zipped)
+    kvoffload.replay.traces.save_trace(trace, tmp_path / "mine.jsonl")
     assert zipped.read_bytes()[:2] == b"\x1f\x8b"  # really gzip
-    named_mine = kvoffload.traces.Trace("mine", trace.requests)  # named after the file
+    named_mine = kvoffload.replay.traces.Trace("mine", trace.requests)  # named after the file
     assert load_trace(zipped) == load_trace(tmp_path / "mine.jsonl") == named_mine
     assert resolve_trace(str(zipped)).requests == trace.requests
 
@@ -174,7 +174,7 @@ def test_a_broken_gzipped_trace_says_what_is_wrong(
 
 
 def test_block_hashes_are_prefix_chained_full_blocks() -> None:
-    from kvoffload.traces import block_hashes
+    from kvoffload.replay.traces import block_hashes
 
     a = block_hashes([5, 6, 7, 8, 9, 10, 11], 2)
     b = block_hashes([5, 6, 7, 8, 1, 2], 2)
@@ -193,7 +193,7 @@ def test_block_hashes_are_prefix_chained_full_blocks() -> None:
 def test_block_hashes_take_numpy_arrays_and_refuse_what_is_not_a_token() -> None:
     import numpy as np
 
-    from kvoffload.traces import block_hashes
+    from kvoffload.replay.traces import block_hashes
 
     assert block_hashes(np.arange(10, dtype=np.int32), 4) == block_hashes(range(10), 4)
     for bad_size in (0, -2, 2.0, True):
@@ -210,8 +210,8 @@ def test_block_hashes_take_numpy_arrays_and_refuse_what_is_not_a_token() -> None
 
 
 def test_a_trace_from_token_logs_replays_like_any_other(tmp_path: Path) -> None:
-    from kvoffload.sweep import sweep
-    from kvoffload.traces import trace_from_tokens
+    from kvoffload.replay.sweep import sweep
+    from kvoffload.replay.traces import trace_from_tokens
 
     system = list(range(100, 164))  # a 64-token system prompt shared by every request
     logs = [system + [turn] * 40 for turn in range(5)] * 2
@@ -219,7 +219,7 @@ def test_a_trace_from_token_logs_replays_like_any_other(tmp_path: Path) -> None:
     assert trace.num_requests == 10 and trace.longest_request == 6  # 104 tokens: 6 full blocks
     assert len({request[:4] for request in trace.requests}) == 1  # the shared prefix
     path = tmp_path / "logs.jsonl.gz"
-    kvoffload.traces.save_trace(trace, path)
+    kvoffload.replay.traces.save_trace(trace, path)
     assert load_trace(path) == trace
     hits = [p.hit_ratio for p in sweep(load_trace(path), [64], ["lru", "belady"]).points]
     # every request but the first reuses the 4 prefix blocks; the second round hits whole

@@ -10,8 +10,8 @@ import pytest
 
 from kvoffload.manager import OffloadManager
 from kvoffload.policies import ArcPolicy
-from kvoffload.sweep import sweep
-from kvoffload.traces import bundled_trace
+from kvoffload.replay.sweep import sweep
+from kvoffload.replay.traces import bundled_trace
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.policies import ArcOrder
 from kvoffload_spec.surface import Key, ManagerSurface

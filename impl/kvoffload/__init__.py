@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvoffload._moved import install as _install_moved_names
 from kvoffload_spec.errors import (
     BlockNotFoundError,
     BlockNotReadyError,
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from kvoffload.transfer import KVLayout as KVLayout
     from kvoffload.transfer import TransferEngine as TransferEngine
     from kvoffload.transfer import TransferTimeoutError as TransferTimeoutError
+
+_install_moved_names()
 
 # public name -> module that defines it; imported on first attribute access
 _LAZY: dict[str, str] = {

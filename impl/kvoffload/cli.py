@@ -23,9 +23,10 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from kvoffload.checking.verify import VerifyReport
-    from kvoffload.simulate import SimulationConfig, SimulationReport
-    from kvoffload.sweep import SweepResult
-    from kvoffload.traces import Trace
+    from kvoffload.replay.report import SimulationReport
+    from kvoffload.replay.simulate import SimulationConfig
+    from kvoffload.replay.sweep import SweepResult
+    from kvoffload.replay.traces import Trace
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # a user error (bad trace, size, policy) or a verification that failed
@@ -95,8 +96,8 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # the policy registry is a few small modules (no torch, no numpy): read names from it
     from kvoffload.policies.loading import BUILTIN_POLICIES
-    from kvoffload.simulate import SimulationConfig
-    from kvoffload.sweep import DEFAULT_CAPACITIES, SWEEP_POLICIES
+    from kvoffload.replay.simulate import SimulationConfig
+    from kvoffload.replay.sweep import DEFAULT_CAPACITIES, SWEEP_POLICIES
     from kvoffload_spec.defaults import DEFAULT_POLICY
 
     sizes = SimulationConfig()  # simulate's defaults are the config's
@@ -347,8 +348,8 @@ def _seconds(text: str) -> float:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from kvoffload.simulate import SimulationConfig, simulate
-    from kvoffload.traces import resolve_trace
+    from kvoffload.replay.simulate import SimulationConfig, simulate
+    from kvoffload.replay.traces import resolve_trace
 
     trace = resolve_trace(args.trace)
     config = SimulationConfig(
@@ -383,8 +384,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    from kvoffload.sweep import sweep
-    from kvoffload.traces import resolve_trace
+    from kvoffload.replay.sweep import sweep
+    from kvoffload.replay.traces import resolve_trace
 
     trace = resolve_trace(args.trace)
     if args.plot is not None:
@@ -486,7 +487,7 @@ def _table(
 
 def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: SimulationConfig) -> int:
     from kvoffload.policies.base import PolicyContractError
-    from kvoffload.simulate import simulate_shared
+    from kvoffload.replay.simulate import simulate_shared
 
     console = _console(stderr=True)
     try:

@@ -1,6 +1,6 @@
 """``kvoffload simulate``: replay a trace through a small serving engine with real tensors.
 
-The engine, per request (the call order of :mod:`kvoffload.sweep`, with the data moving):
+The engine, per request (the call order of :mod:`kvoffload.replay.sweep`, with the data moving):
 
 1. the device prefix cache (LRU, ``gpu_blocks`` blocks) gives the device hits and a device
    block for every block of the request;
@@ -29,21 +29,42 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from kvoffload.belady import belady_hits
-from kvoffload.device_cache import DevicePrefixCache
-from kvoffload.traces import BlockId, Request, Trace
+from kvoffload.replay.belady import belady_hits
+from kvoffload.replay.device_cache import DevicePrefixCache
+from kvoffload.replay.report import (
+    RemoteTally,
+    SharedSimulationReport,
+    SimulationReport,
+    format_size,
+)
+from kvoffload.replay.timing import Latency, TimedManager
+from kvoffload.replay.traces import BlockId, Request, Trace
 from kvoffload_spec.defaults import DEFAULT_POLICY
 from kvoffload_spec.errors import InvalidArgumentError
-from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
+from kvoffload_spec.surface import Key, Lookup, StorePlan
 from kvoffload_spec.validation import check_count
+
+# The report and timing classes lived here before they had modules of their own.
+__all__ = [
+    "BlockContent",
+    "Latency",
+    "ProgressHook",
+    "RemoteTally",
+    "SharedSimulationReport",
+    "SimulationConfig",
+    "SimulationReport",
+    "TimedManager",
+    "key_seed",
+    "simulate",
+    "simulate_shared",
+]
 
 if TYPE_CHECKING:
     import torch
 
-    from kvoffload.manager import OffloadManager
     from kvoffload.offloader import Finished, Offloader, RemoteMode
     from kvoffload.tiers import RemoteStore
 
@@ -57,91 +78,6 @@ class SimulationConfig:
     policy: str = DEFAULT_POLICY
     block_bytes: int = 4096
     max_requests: int | None = None
-
-
-# -- timing every manager call ---------------------------------------------------------------
-
-
-class TimedManager:
-    """The manager surface the offloader drives, timing each call of ``inner``."""
-
-    def __init__(self, inner: OffloadManager) -> None:
-        self.inner = inner
-        self.latencies_ns: dict[str, list[int]] = {}
-
-    @property
-    def num_blocks(self) -> int:
-        return self.inner.num_blocks
-
-    def _timed(self, name: str, started: int) -> None:
-        self.latencies_ns.setdefault(name, []).append(time.perf_counter_ns() - started)
-
-    def lookup(self, key: Key) -> Lookup:
-        started = time.perf_counter_ns()
-        found = self.inner.lookup(key)
-        self._timed("lookup", started)
-        return found
-
-    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
-        started = time.perf_counter_ns()
-        plan = self.inner.prepare_store(keys)
-        self._timed("prepare_store", started)
-        return plan
-
-    def complete_store(self, plan: StorePlan, success: bool = True) -> None:
-        started = time.perf_counter_ns()
-        self.inner.complete_store(plan, success)
-        self._timed("complete_store", started)
-
-    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
-        started = time.perf_counter_ns()
-        plan = self.inner.prepare_load(keys)
-        self._timed("prepare_load", started)
-        return plan
-
-    def complete_load(self, plan: LoadPlan) -> None:
-        started = time.perf_counter_ns()
-        self.inner.complete_load(plan)
-        self._timed("complete_load", started)
-
-    def abandon(self, plan: Plan) -> None:
-        started = time.perf_counter_ns()
-        self.inner.abandon(plan)
-        self._timed("abandon", started)
-
-    def is_abandoned(self, plan: Plan) -> bool:
-        return self.inner.is_abandoned(plan)  # a query, not timed: the offloader's own use
-
-    def touch(self, keys: Sequence[Key]) -> None:
-        started = time.perf_counter_ns()
-        self.inner.touch(keys)
-        self._timed("touch", started)
-
-    def reset_cache(self) -> None:
-        started = time.perf_counter_ns()
-        self.inner.reset_cache()
-        self._timed("reset_cache", started)
-
-
-@dataclass(frozen=True)
-class Latency:
-    """Percentiles of call latencies, in microseconds."""
-
-    calls: int
-    p50_us: float
-    p99_us: float
-    max_us: float
-
-    @staticmethod
-    def of(samples_ns: Sequence[int]) -> Latency:
-        if not samples_ns:
-            return Latency(0, 0.0, 0.0, 0.0)
-        ordered = sorted(samples_ns)
-
-        def at(fraction: float) -> float:
-            return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] / 1000
-
-        return Latency(len(ordered), at(0.50), at(0.99), ordered[-1] / 1000)
 
 
 # -- block content -----------------------------------------------------------------------------
@@ -188,232 +124,6 @@ class BlockContent:
         return content
 
 
-# -- the report --------------------------------------------------------------------------------
-
-
-@dataclass
-class SimulationReport:
-    """What a simulation did and measured; ratios are over all block references."""
-
-    trace: str
-    config: SimulationConfig
-    backend: str  # where the "device" cache lives: cuda or cpu
-    requests: int = 0
-    block_refs: int = 0
-    device_hits: int = 0
-    cpu_hits: int = 0
-    belady_cpu_hits: int = 0
-    blocks_stored: int = 0
-    blocks_loaded: int = 0
-    bytes_stored: int = 0
-    bytes_loaded: int = 0
-    store_seconds: float = 0.0
-    load_seconds: float = 0.0
-    evictions: int = 0
-    rejected_stores: int = 0
-    fast_fail_rejections: int = 0
-    failed_stores: int = 0
-    load_mismatches: int = 0
-    wall_seconds: float = 0.0
-    latency: dict[str, Latency] = field(default_factory=dict)
-    remote: RemoteTally | None = None  # with a remote tier only
-
-    @property
-    def remote_hits(self) -> int:
-        return 0 if self.remote is None else self.remote.hits
-
-    @property
-    def misses(self) -> int:
-        return self.block_refs - self.device_hits - self.cpu_hits - self.remote_hits
-
-    def _ratio(self, count: int) -> float:
-        return count / self.block_refs if self.block_refs else 0.0
-
-    @property
-    def device_hit_ratio(self) -> float:
-        return self._ratio(self.device_hits)
-
-    @property
-    def cpu_hit_ratio(self) -> float:
-        return self._ratio(self.cpu_hits)
-
-    @property
-    def miss_ratio(self) -> float:
-        return self._ratio(self.misses)
-
-    @property
-    def belady_cpu_hit_ratio(self) -> float:
-        return self._ratio(self.belady_cpu_hits)
-
-    @property
-    def cpu_fraction_of_belady(self) -> float:
-        """The CPU tier's hits as a fraction of Belady's on the same key stream."""
-        return self.cpu_hits / self.belady_cpu_hits if self.belady_cpu_hits else 1.0
-
-    @property
-    def transfer_gbps(self) -> float:
-        seconds = self.store_seconds + self.load_seconds
-        return (self.bytes_stored + self.bytes_loaded) / seconds / 1e9 if seconds else 0.0
-
-    @property
-    def all_loads_verified(self) -> bool:
-        return self.load_mismatches == 0
-
-    def to_json(self) -> dict[str, object]:
-        """The format of ``kvoffload simulate --json``."""
-        return {
-            "trace": self.trace,
-            "backend": self.backend,
-            "gpu_blocks": self.config.gpu_blocks,
-            "cpu_blocks": self.config.cpu_blocks,
-            "policy": self.config.policy,
-            "block_bytes": self.config.block_bytes,
-            "requests": self.requests,
-            "block_refs": self.block_refs,
-            "device_hits": self.device_hits,
-            "cpu_hits": self.cpu_hits,
-            "misses": self.misses,
-            "device_hit_ratio": self.device_hit_ratio,
-            "cpu_hit_ratio": self.cpu_hit_ratio,
-            "miss_ratio": self.miss_ratio,
-            "belady_cpu_hit_ratio": self.belady_cpu_hit_ratio,
-            "cpu_fraction_of_belady": self.cpu_fraction_of_belady,
-            "blocks_stored": self.blocks_stored,
-            "blocks_loaded": self.blocks_loaded,
-            "bytes_stored": self.bytes_stored,
-            "bytes_loaded": self.bytes_loaded,
-            "transfer_gbps": self.transfer_gbps,
-            "evictions": self.evictions,
-            "rejected_stores": self.rejected_stores,
-            "fast_fail_rejections": self.fast_fail_rejections,
-            "failed_stores": self.failed_stores,
-            "load_mismatches": self.load_mismatches,
-            "all_loads_verified": self.all_loads_verified,
-            "wall_seconds": self.wall_seconds,
-            "manager_latency_us": {
-                name: {"calls": t.calls, "p50": t.p50_us, "p99": t.p99_us, "max": t.max_us}
-                for name, t in self.latency.items()
-            },
-        } | ({} if self.remote is None else {"remote": self.remote.to_json(self.block_refs)})
-
-    def summary_rows(self) -> list[tuple[str, str]]:
-        """The summary table, as (label, value) rows."""
-        c = self.config
-        every = self.latency.get("all", Latency(0, 0.0, 0.0, 0.0))
-        return [
-            (
-                "engine",
-                f"{c.gpu_blocks:,} device blocks ({self.backend}), {c.cpu_blocks:,} CPU "
-                f"blocks ({c.policy}), {_size(c.block_bytes)} per block",
-            ),
-            ("requests / block refs", f"{self.requests:,} / {self.block_refs:,}"),
-            ("device hit ratio", f"{self.device_hit_ratio:.4f}"),
-            ("CPU hit ratio", f"{self.cpu_hit_ratio:.4f}"),
-            (
-                "CPU tier vs Belady",
-                f"{self.cpu_fraction_of_belady:.1%} of the optimum {self.belady_cpu_hit_ratio:.4f}",
-            ),
-            *([] if self.remote is None else self.remote.summary_rows(self.block_refs)),
-            ("miss ratio (recomputed)", f"{self.miss_ratio:.4f}"),
-            (
-                "stored",
-                f"{self.blocks_stored:,} blocks, {_size(self.bytes_stored)}",
-            ),
-            (
-                "loaded",
-                f"{self.blocks_loaded:,} blocks, {_size(self.bytes_loaded)}",
-            ),
-            ("transfer", f"{self.transfer_gbps:.2f} GB/s"),
-            (
-                "manager call latency",
-                f"p50 {every.p50_us:.1f} us, p99 {every.p99_us:.1f} us, max "
-                f"{every.max_us:.0f} us ({every.calls:,} calls)",
-            ),
-            ("evictions", f"{self.evictions:,}"),
-            (
-                "rejected stores",
-                f"{self.rejected_stores:,} ({self.fast_fail_rejections:,} fast-fail)",
-            ),
-            ("failed stores", f"{self.failed_stores:,}"),
-            (
-                "loads verified",
-                "all byte-exact"
-                if self.all_loads_verified
-                else f"{self.load_mismatches:,} blocks DIFFER from what was stored",
-            ),
-            ("wall time", f"{self.wall_seconds:.1f} s"),
-        ]
-
-
-@dataclass
-class RemoteTally:
-    """What one engine did with the remote tier.
-
-    ``hits``: block refs served from the remote (fetched, then loaded); ``shared_hits``:
-    those of blocks this engine had never written back itself, so only another engine could
-    have put them there: the hits gained by sharing.
-    """
-
-    hits: int = 0
-    shared_hits: int = 0
-    fetched_blocks: int = 0  # fetches accepted (hits, and blocks past the first miss)
-    fetch_misses: int = 0
-    bytes_fetched: int = 0
-    blocks_written: int = 0
-    bytes_written: int = 0
-    not_written: int = 0
-    failures: int = 0
-
-    def to_json(self, block_refs: int) -> dict[str, object]:
-        return {
-            "hits": self.hits,
-            "shared_hits": self.shared_hits,
-            "hit_ratio": _share(self.hits, block_refs),
-            "shared_hit_ratio": _share(self.shared_hits, block_refs),
-            "fetched_blocks": self.fetched_blocks,
-            "fetch_misses": self.fetch_misses,
-            "bytes_fetched": self.bytes_fetched,
-            "blocks_written": self.blocks_written,
-            "bytes_written": self.bytes_written,
-            "not_written": self.not_written,
-            "failures": self.failures,
-        }
-
-    def summary_rows(self, block_refs: int) -> list[tuple[str, str]]:
-        return [
-            ("remote hit ratio", f"{_share(self.hits, block_refs):.4f}"),
-            (
-                "gained by sharing",
-                f"{_share(self.shared_hits, block_refs):.4f} (blocks another engine wrote)",
-            ),
-            (
-                "remote traffic",
-                f"{self.blocks_written:,} blocks written ({_size(self.bytes_written)}), "
-                f"{self.fetched_blocks:,} fetched ({_size(self.bytes_fetched)})",
-            ),
-            (
-                "remote failures",
-                f"{self.failures:,} ({self.not_written:,} writes lost, "
-                f"{self.fetch_misses:,} fetches missed)",
-            ),
-        ]
-
-    def add(self, other: RemoteTally) -> None:
-        for name in vars(self):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-def _share(count: int, total: int) -> float:
-    return count / total if total else 0.0
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
 # -- the engine --------------------------------------------------------------------------------
 
 
@@ -441,49 +151,6 @@ def simulate(
             if on_request is not None and (done % 64 == 0 or done == len(requests)):
                 on_request(done, len(requests))
     return engine.finish(time.perf_counter() - started)
-
-
-@dataclass
-class SharedSimulationReport:
-    """``simulate_shared``: each engine's report, and their sum."""
-
-    trace: str
-    remote_url: str | None
-    engines: list[SimulationReport]
-    wall_seconds: float = 0.0
-
-    @property
-    def total(self) -> SimulationReport:
-        """The engines' counts added up (ratios over all their block refs)."""
-        first = self.engines[0]
-        total = SimulationReport(first.trace, first.config, first.backend)
-        total.remote = None if first.remote is None else RemoteTally()
-        for report in self.engines:
-            for name in (
-                "requests", "block_refs", "device_hits", "cpu_hits", "belady_cpu_hits",
-                "blocks_stored", "blocks_loaded", "bytes_stored", "bytes_loaded",
-                "store_seconds", "load_seconds", "evictions", "rejected_stores",
-                "fast_fail_rejections", "failed_stores", "load_mismatches",
-            ):  # fmt: skip
-                setattr(total, name, getattr(total, name) + getattr(report, name))
-            if total.remote is not None and report.remote is not None:
-                total.remote.add(report.remote)
-        total.wall_seconds = self.wall_seconds
-        return total
-
-    @property
-    def all_loads_verified(self) -> bool:
-        return all(report.all_loads_verified for report in self.engines)
-
-    def to_json(self) -> dict[str, object]:
-        """The format of ``kvoffload simulate --instances N --json``."""
-        return {
-            "trace": self.trace,
-            "remote": self.remote_url,
-            "instances": len(self.engines),
-            "total": self.total.to_json(),
-            "engines": [report.to_json() for report in self.engines],
-        }
 
 
 def simulate_shared(
@@ -608,9 +275,9 @@ def _check_memory(config: SimulationConfig, device: torch.device) -> None:
     if needed > host:
         raise InvalidArgumentError(
             f"--cpu-blocks {config.cpu_blocks:,} x --block-bytes {config.block_bytes:,} "
-            f"= {_size(pool)}"
-            + (f" plus the device cache's {_size(cache)}" if device.type == "cpu" else "")
-            + f" exceeds this machine's memory ({_size(host)})"
+            f"= {format_size(pool)}"
+            + (f" plus the device cache's {format_size(cache)}" if device.type == "cpu" else "")
+            + f" exceeds this machine's memory ({format_size(host)})"
         )
     if device.type == "cuda":
         import torch
@@ -619,7 +286,7 @@ def _check_memory(config: SimulationConfig, device: torch.device) -> None:
         if cache > free:
             raise InvalidArgumentError(
                 f"--gpu-blocks {config.gpu_blocks:,} x --block-bytes {config.block_bytes:,} "
-                f"= {_size(cache)} exceeds the free device memory ({_size(free)})"
+                f"= {format_size(cache)} exceeds the free device memory ({format_size(free)})"
             )
 
 

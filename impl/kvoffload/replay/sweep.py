@@ -20,7 +20,7 @@ stream, for every policy and for Belady alike, so the three are compared on equa
 Ratios are over all block references of the trace, so the tiers' ratios add up.
 
 >>> from kvoffload_spec import OffloadModel
->>> from kvoffload.traces import Trace
+>>> from kvoffload.replay.traces import Trace
 >>> trace = Trace("tiny", ((1, 2, 3), (1, 2, 4), (1, 2, 3)))
 >>> model = lambda policy, capacity: OffloadModel(capacity, policy)
 >>> for point in sweep(trace, [3], new_tier=model).points:
@@ -45,11 +45,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvoffload.belady import belady_hits
-from kvoffload.device_cache import DevicePrefixCache
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.loading import BUILTIN_POLICIES, resolve_policy
-from kvoffload.traces import Request, Trace
+from kvoffload.replay.belady import belady_hits
+from kvoffload.replay.device_cache import DevicePrefixCache
+from kvoffload.replay.traces import Request, Trace
 from kvoffload_spec.errors import InvalidArgumentError, UnknownPolicyError
 from kvoffload_spec.surface import Key, Lookup, ManagerOperations
 from kvoffload_spec.validation import check_count
