@@ -121,7 +121,9 @@ def states(draw: st.DrawFn) -> Derived:
     if kind == "lru":
         return LruContracts(*common, draw(small), draw(st.integers(1, 3)), draw(small))
     if kind == "duel":
-        return DuelContracts(*common, draw(small), draw(small), draw(small), draw(st.booleans()))
+        return DuelContracts(
+            *common, draw(small), draw(small), draw(small), draw(st.integers(0, 2))
+        )
     capacity = len(common[0])
     p = draw(st.floats(0, capacity))
     return ArcContracts(*common, draw(small), draw(small), draw(small), draw(small), p)

@@ -3,8 +3,8 @@
 The differential test reaches ``duel`` only through the manager, whose shadows almost
 never lead by exactly the other's score, and never looks at what ``check_invariants`` says
 about a broken duel. So here: the policy and the spec's order fed every history of the
-policy interface (both orders leading, longer touches than the pool holds); the shadows'
-stores, refusals and histories on hand-made requests; and each of ``check_invariants``'s
+policy interface (each order leading, ties, longer touches than the pool holds); the
+shadows' stores, refusals and histories on hand-made requests; and each of ``check_invariants``'s
 reports on a corrupted policy.
 """
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
 from kvoffload.policies.duel import HISTORY, DuelPolicy, stable_hash
-from kvoffload_spec.policies import DUEL_DECAY, DuelOrder, sample_hash
+from kvoffload_spec.policies import DUEL_DECAY, DUEL_ORDERS, DuelOrder, sample_hash
 from kvoffload_spec.surface import Key
 from tests.policy_machine import CAPACITY, KEYS, PolicyAgainstSpec
 
@@ -29,10 +29,9 @@ class DuelAgainstSpec(PolicyAgainstSpec):
         self.duel = self.policy = DuelPolicy(CAPACITY)
         self.duel_order = self.order = DuelOrder.empty(CAPACITY)
 
-    @rule(lead=st.sampled_from(["lru", "reuse", "tie"]))
-    def set_lead(self, lead: str) -> None:
-        """Scores set outright, so that either order (or the tie) picks the next victims."""
-        scores = {"lru": (2.0, 1.0), "reuse": (1.0, 2.0), "tie": (1.0, 1.0)}[lead]
+    @rule(scores=st.tuples(*[st.sampled_from([1.0, 2.0])] * len(DUEL_ORDERS)))
+    def set_lead(self, scores: tuple[float, ...]) -> None:
+        """Scores set outright, so that any order (or a tie) picks the next victims."""
         for shadow, score in zip(self.duel._shadows, scores, strict=True):
             shadow.score = score
         for pool, score in zip(self.duel_order.shadows, scores, strict=True):
@@ -47,7 +46,7 @@ class DuelAgainstSpec(PolicyAgainstSpec):
     @invariant()
     def same_state(self) -> None:
         assert self.duel.snapshot() == self.duel_order.snapshot()
-        assert self.duel.follows_reuse == self.duel_order.follows_reuse
+        assert self.duel.leader == self.duel_order.leader
 
 
 def test_duel_policy_is_the_spec_order() -> None:
@@ -72,15 +71,32 @@ def test_the_reuse_order_puts_keys_used_once_first_each_part_by_last_use() -> No
     policy, order = filled(["a", "b", "c", "d"], capacity=4)
     policy.touch(["c", "a"], always)  # a and c used again: a is touched last, most recent
     order.touch(["c", "a"], always)
-    assert policy.orders() == (["b", "d", "a", "c"], ["b", "d", "a", "c"])
+    assert policy.orders() == [["b", "d", "a", "c"]] * 3
     policy.touch(["b"], lambda key: False)  # pending when touched: recency, not reuse
-    assert policy.orders() == (["d", "a", "c", "b"], ["d", "b", "a", "c"])
+    assert policy.orders()[:2] == [["d", "a", "c", "b"], ["d", "b", "a", "c"]]
     policy.touch(["d"], always)
-    assert policy.orders() == (["a", "c", "b", "d"], ["b", "a", "c", "d"])
-    policy.mark_unevictable("a")  # pinned: out of both orders, back in its place after
-    assert policy.orders() == (["c", "b", "d"], ["b", "c", "d"])
+    assert policy.orders()[:2] == [["a", "c", "b", "d"], ["b", "a", "c", "d"]]
+    policy.mark_unevictable("a")  # pinned: out of every order, back in its place after
+    assert policy.orders()[:2] == [["c", "b", "d"], ["b", "c", "d"]]
     policy.mark_evictable("a")
-    assert policy.orders() == (["a", "c", "b", "d"], ["b", "a", "c", "d"])
+    assert policy.orders()[:2] == [["a", "c", "b", "d"], ["b", "a", "c", "d"]]
+
+
+def test_lru2_orders_the_reused_keys_by_their_second_most_recent_use() -> None:
+    policy, order = filled(["a", "b", "c", "d"], capacity=4)
+    for request in (["a"], ["b"], ["a"], ["c"]):  # b's two uses are the furthest apart
+        policy.touch(request, always)
+        order.touch(request, always)
+    # Used once: d. Reused, by the second most recent use: b (at its store), c (at its
+    # store, after b's), a (at its first touch); LRU would say b, a, c.
+    assert policy.orders()[2] == ["d", "b", "c", "a"] == order.uses.by_second_use()
+    policy.touch(["b"], lambda key: False)  # pending when touched: no new second use
+    assert policy.orders()[2] == ["d", "b", "c", "a"]
+    policy.evict(["b"])
+    policy.insert("b")  # stored again: its last use before it left is its second
+    policy.mark_evictable("b")
+    assert policy.orders()[2] == ["d", "c", "a", "b"]
+    assert policy.check_invariants(always) == []
 
 
 def test_victims_follow_the_leading_shadow_and_lru_on_a_tie() -> None:
@@ -89,28 +105,32 @@ def test_victims_follow_the_leading_shadow_and_lru_on_a_tie() -> None:
     for key in ("c", "d"):
         policy.insert(key)
         policy.mark_evictable(key)
-    lru, reuse = policy._shadows
-    assert policy.orders() == (["b", "a", "c", "d"], ["b", "c", "d", "a"])
+    lru, reuse, lru2 = policy._shadows
+    assert policy.orders()[:2] == [["b", "a", "c", "d"], ["b", "c", "d", "a"]]
     assert policy.choose_victims(2, ()) == ["b", "a"]  # LRU
     assert policy.choose_victims(2, {"b"}) == ["a", "c"]
     reuse.score = lru.score + 1
-    assert (policy.follows_reuse, policy.scores) == (True, (lru.score, lru.score + 1))
+    assert (policy.leader, policy.scores) == ("reuse", (lru.score, lru.score + 1, lru2.score))
     assert policy.choose_victims(2, ()) == ["b", "c"]
     assert policy.choose_victims(3, {"c"}) == ["b", "d", "a"]
     assert policy.choose_victims(4, {"a"}) is None
-    lru.score = reuse.score
-    assert (policy.follows_reuse, policy.scores) == (False, (reuse.score, reuse.score))
-    assert policy.choose_victims(2, ()) == ["b", "a"]
+    lru2.score = reuse.score  # a tie goes to the earlier order
+    assert policy.leader == "reuse"
+    lru2.score += 1
+    assert policy.leader == "lru2"
+    lru.score = reuse.score = lru2.score
+    assert (policy.leader, policy.choose_victims(2, ())) == ("lru", ["b", "a"])
 
 
 def test_the_policy_knows_its_capacity_and_its_shadows_theirs() -> None:
     policy = DuelPolicy(8192)
     assert policy.capacity == 8192
-    assert [(shadow.capacity, shadow.mask, shadow.reuse) for shadow in policy._shadows] == [
-        (1024, 7, False),
-        (1024, 7, True),
+    assert [(shadow.capacity, shadow.mask, shadow.order) for shadow in policy._shadows] == [
+        (1024, 7, "lru"),
+        (1024, 7, "reuse"),
+        (1024, 7, "lru2"),
     ]
-    assert [shadow.uses.limit for shadow in policy._shadows] == [0, HISTORY * 1024]
+    assert [shadow.uses.limit for shadow in policy._shadows] == [0, *[HISTORY * 1024] * 2]
     assert policy._uses.limit == HISTORY * 8192
 
 
@@ -158,7 +178,7 @@ def test_a_failed_store_leaves_no_history() -> None:
     policy.remove("a")
     policy.insert("a")
     policy.mark_evictable("a")
-    assert list(policy._uses.history) == [] and policy.orders() == (["a"], ["a"])
+    assert list(policy._uses.history) == [] and policy.orders() == [["a"]] * 3
 
 
 def test_a_shadow_scores_the_longest_resident_prefix_and_decays() -> None:
@@ -181,11 +201,13 @@ def test_a_shadow_refuses_a_store_that_cannot_fit_and_still_counts_the_touch() -
         policy.touch(request, always)
         order.touch(request, always)
         assert policy.snapshot() == order.snapshot(), request
-    lru, reuse = policy._shadows
+    lru, reuse, lru2 = policy._shadows
     # ["a", "b", "c"] did not fit: "a" and "b" were touched again (so reused), "c" never
     # stored; ["c", "d"] then evicted both; ["d", "a", "b"] did not fit either.
-    assert lru.order() == ["c", "d"] and reuse.order() == ["c", "d"]
-    assert list(reuse.uses.history) == ["a", "b"] and list(lru.uses.history) == []
+    assert [shadow.uses.everything(shadow.order) for shadow in policy._shadows] == [["c", "d"]] * 3
+    assert list(reuse.uses.history) == ["a", "b"]
+    assert list(lru2.uses.history) == ["b", "a"]  # b's two uses are further apart
+    assert list(lru.uses.history) == []
 
 
 def test_the_shadows_keep_only_the_sampled_keys_in_a_smaller_pool() -> None:
@@ -194,11 +216,12 @@ def test_the_shadows_keep_only_the_sampled_keys_in_a_smaller_pool() -> None:
     keys = list(range(3000))
     policy.touch(keys, always)
     order.touch(keys, always)
-    lru, reuse = policy._shadows
-    assert lru.capacity == reuse.capacity == 1024 and lru.mask == 3
-    sampled = lru.order()
+    lru, reuse, lru2 = policy._shadows
+    assert lru.capacity == reuse.capacity == lru2.capacity == 1024 and lru.mask == 3
+    sampled = lru.uses.everything("lru")
     assert sampled == [key for key in reversed(keys) if key in order.shadows[0].uses.last]
-    assert 0 < len(sampled) <= 1024 and reuse.order() == reuse.uses.by_recency()
+    assert 0 < len(sampled) <= 1024
+    assert reuse.uses.everything("reuse") == sampled == lru2.uses.everything("lru2")
     assert policy.snapshot() == order.snapshot()
 
 
@@ -208,10 +231,10 @@ def test_clear_forgets_keys_histories_and_scores() -> None:
     policy.touch(["a", "b"], always)
     policy.evict(["c"])
     policy.clear()
-    assert policy.snapshot() == ([], [], [], [[], []], [[], []], (0.0, 0.0))
+    assert policy.snapshot() == ([[], [], []], [], [[], [], []], [[], [], []], (0.0, 0.0, 0.0))
     policy.insert("c")
     policy.mark_evictable("c")
-    assert policy.orders() == (["c"], ["c"]) and policy.check_invariants(always) == []
+    assert policy.orders() == [["c"]] * 3 and policy.check_invariants(always) == []
 
 
 # -- what check_invariants says about a broken duel -------------------------------------------
@@ -233,7 +256,7 @@ def test_a_key_in_the_wrong_list_is_reported() -> None:
         uses.stamps["b"] -= 1  # used once, as far as the stamp says, but listed as reused
         uses.reused.add("b")
 
-    assert broken(swap) == ["duel lists a key used once as reused, or the reverse"]
+    assert "duel lists a key used once as reused, or the reverse" in broken(swap)
 
 
 def test_a_reused_key_among_the_keys_used_once_is_reported() -> None:
@@ -243,12 +266,30 @@ def test_a_reused_key_among_the_keys_used_once_is_reported() -> None:
         uses.stamps["c"] += 1
         uses.once.add("c")
 
-    assert broken(swap) == ["duel lists a key used once as reused, or the reverse"]
+    assert "duel lists a key used once as reused, or the reverse" in broken(swap)
+
+
+def test_a_second_use_kept_for_a_key_used_once_is_reported() -> None:
+    def stray(policy: DuelPolicy) -> None:
+        policy._uses.stamps["c"] |= 1 << 41
+
+    assert "duel keeps a second use for a key used once" in broken(stray)
+
+
+def test_a_reused_key_missing_from_the_lru2_order_is_reported() -> None:
+    def lose(policy: DuelPolicy) -> None:
+        paired = policy._uses.paired
+        assert paired is not None
+        paired.remove("b")
+
+    expected = "duel's evictable orders are [['c', 'b'], ['c', 'b'], ['c']], expected "
+    assert broken(lose) == [expected + "[['c', 'b'], ['c', 'b'], ['c', 'b']]"]
 
 
 def test_an_evictable_key_missing_from_its_list_is_reported() -> None:
     problems = broken(lambda policy: policy._uses.once.remove("c"))
-    assert problems == ["duel's evictable orders are (['b'], ['b']), expected ['c', 'b']"]
+    expected = "[['c', 'b'], ['c', 'b'], ['c', 'b']]"
+    assert problems == [f"duel's evictable orders are [['b'], ['b'], ['b']], expected {expected}"]
 
 
 def test_an_overfull_history_is_reported() -> None:

@@ -544,5 +544,5 @@ def test_sampled_duel_matches_the_spec() -> None:
         order.touch(keys, lambda key: True)
         if step % 50 == 49:
             assert policy.snapshot() == order.snapshot()
-    assert policy.follows_reuse == order.follows_reuse
+    assert policy.leader == order.leader
     assert all(0 < len(shadow.uses.last) <= capacity // 2 for shadow in order.shadows)

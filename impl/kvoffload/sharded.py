@@ -154,12 +154,14 @@ def _sharded_dict(count: int, items: list[tuple[K, V]]) -> ShardedDict[K, V]:
 
 
 class OrderedKeys(Generic[K]):
-    """An insertion-ordered set of keys, oldest first: appends at the end, removals
-    anywhere, pops from the front, each a few small-dict operations with no pause.
+    """An insertion-ordered set of keys, oldest first, each with an int value (0 unless
+    given): appends at the end, removals anywhere, pops from the front, each a few
+    small-dict operations with no pause.
 
     Each appended key gets the next number of a counter, its *stamp*; ``_stamps`` maps key
     -> stamp in shards (as ``ShardedDict``), and the keys themselves sit in buckets of
-    ``BUCKET_STAMPS`` consecutive stamps, plain dicts in insertion (= stamp) order.
+    ``BUCKET_STAMPS`` consecutive stamps, plain dicts (key -> value) in insertion (= stamp)
+    order.
     ``_ids`` lists the non-empty buckets in ascending order: stamps only grow, so a new
     bucket always goes at its end.
     """
@@ -171,7 +173,7 @@ class OrderedKeys(Generic[K]):
     def __init__(self, expected_entries: int) -> None:
         self._count = shard_count(expected_entries)
         self._stamps: list[dict[K, int]] = [{} for _ in range(self._count)]
-        self._buckets: dict[int, dict[K, None]] = {}
+        self._buckets: dict[int, dict[K, int]] = {}
         self._ids: list[int] = []
         self._clock = 0
         self._size = 0
@@ -181,7 +183,7 @@ class OrderedKeys(Generic[K]):
 
     def __reduce__(self) -> tuple[object, ...]:
         # Rebuilt by appending, for the reason of ``ShardedDict.__reduce__``.
-        return (_ordered_keys, (self._count, list(self)))
+        return (_ordered_keys, (self._count, list(self.items())))
 
     def __len__(self) -> int:
         return self._size
@@ -194,8 +196,14 @@ class OrderedKeys(Generic[K]):
         for at in self._ids:
             yield from buckets[at]
 
-    def append(self, key: K) -> None:
-        """Add ``key`` as the newest; it must not be present."""
+    def items(self) -> Iterator[tuple[K, int]]:
+        """Each key and its value, oldest first."""
+        buckets = self._buckets
+        for at in self._ids:
+            yield from buckets[at].items()
+
+    def append(self, key: K, value: int = 0) -> None:
+        """Add ``key`` as the newest, with ``value``; it must not be present."""
         stamp = self._clock
         self._clock = stamp + 1
         self._stamps[hash(key) % self._count][key] = stamp
@@ -204,21 +212,23 @@ class OrderedKeys(Generic[K]):
         if bucket is None:
             bucket = self._buckets[at] = {}
             self._ids.append(at)
-        bucket[key] = None
+        bucket[key] = value
         self._size += 1
 
     def discard(self, key: K) -> bool:
         """Remove ``key`` if present; whether it was."""
+        return self.pop(key) is not None
+
+    def pop(self, key: K) -> int | None:
+        """Remove ``key`` if present and return its value; None if it was not there."""
         stamp = self._stamps[hash(key) % self._count].pop(key, None)
         if stamp is None:
-            return False
-        self._unlink(key, stamp)
-        return True
+            return None
+        return self._unlink(key, stamp)
 
     def move_to_end(self, key: K) -> None:
-        """Make the present ``key`` the newest."""
-        self._unlink(key, self._stamps[hash(key) % self._count].pop(key))
-        self.append(key)
+        """Make the present ``key`` the newest (its value kept)."""
+        self.append(key, self._unlink(key, self._stamps[hash(key) % self._count].pop(key)))
 
     def pop_oldest(self) -> K:
         """Remove and return the oldest key; KeyError when empty."""
@@ -234,9 +244,10 @@ class OrderedKeys(Generic[K]):
         self._size -= 1
         return oldest
 
-    def append_within(self, key: K, limit: int) -> None:
-        """``append(key)``, then pop the oldest keys until at most ``limit`` are left."""
-        self.append(key)
+    def append_within(self, key: K, limit: int, value: int = 0) -> None:
+        """``append(key, value)``, then pop the oldest keys until at most ``limit`` are
+        left."""
+        self.append(key, value)
         while self._size > limit:
             self.pop_oldest()
 
@@ -247,21 +258,22 @@ class OrderedKeys(Generic[K]):
         self._ids.clear()
         self._size = 0
 
-    def _unlink(self, key: K, stamp: int) -> None:
+    def _unlink(self, key: K, stamp: int) -> int:
         at = stamp >> self.BUCKET_BITS
         bucket = self._buckets[at]
-        del bucket[key]
+        value = bucket.pop(key)
         if not bucket:
             del self._buckets[at]
             ids = self._ids
             del ids[bisect_left(ids, at)]
         self._size -= 1
+        return value
 
 
-def _ordered_keys(count: int, keys: list[K]) -> OrderedKeys[K]:
+def _ordered_keys(count: int, items: list[tuple[K, int]]) -> OrderedKeys[K]:
     rebuilt: OrderedKeys[K] = OrderedKeys(count * SHARD_ENTRIES)
-    for key in keys:
-        rebuilt.append(key)
+    for key, value in items:
+        rebuilt.append(key, value)
     return rebuilt
 
 

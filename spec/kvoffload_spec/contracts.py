@@ -356,8 +356,9 @@ class DuelContracts(_Checks):
     ``lru`` orders the resident keys by last use, least recent first (the others follow by
     block id); the keys of ``reused`` (resident ones) were used twice, their second most recent
     uses in that order, all before any last use. ``gone`` are keys in the history (not
-    resident), oldest first. ``reuse_leads`` gives the LRU-2 shadow the higher score. The
-    shadows hold no keys: they only decide which order the victims come in.
+    resident), oldest first. ``lead`` picks the shadow with the higher score (its index in
+    ``DUEL_ORDERS``, modulo 3). The shadows hold no keys: they only decide which order the
+    victims come in.
     """
 
     # CrossHair looks a target method up in the class's own namespace only, and would check
@@ -380,9 +381,9 @@ class DuelContracts(_Checks):
         lru: list[int],
         reused: list[int],
         gone: list[int],
-        reuse_leads: bool,
+        lead: int,
     ) -> None:
-        self._args = (block_ids, shift, loads, stale, abandon, lru, reused, gone, reuse_leads)
+        self._args = (block_ids, shift, loads, stale, abandon, lru, reused, gone, lead)
         duel = DuelOrder.empty(_size(block_ids))
         super().__init__(block_ids, shift, loads, stale, abandon, duel)
         uses = duel.uses
@@ -395,7 +396,7 @@ class DuelContracts(_Checks):
             uses.last[key] = first + len(twice) + rank
             uses.penult[key] = first + twice.index(key) if key in twice else -1
         duel.clock = first + len(twice) + len(self.blocks)
-        duel.shadows[1].score = 1.0 if reuse_leads else 0.0
+        duel.shadows[lead % len(duel.shadows)].score = 1.0
 
     def __repr__(self) -> str:
         return f"DuelContracts{self._args!r}"

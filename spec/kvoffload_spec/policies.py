@@ -198,6 +198,10 @@ DUEL_HISTORY = 4
 """The reuse order remembers the last use of up to this many times ``capacity`` evicted
 keys, so that a key stored again soon after its eviction counts as reused."""
 
+DUEL_ORDERS = ("lru", "reuse", "lru2")
+"""The orders ``duel`` chooses among, in the order that breaks a tie of their shadows' scores:
+LRU, the segmented reuse order, and LRU-2 (by the second most recent use)."""
+
 DUEL_SAMPLE = 32
 """A shadow simulates at most one key in this many (the sample rate's upper bound)."""
 
@@ -270,6 +274,18 @@ class KeyUses:
         """Segmented LRU: the keys used once, least recent first, then the reused ones."""
         return sorted(self.last, key=lambda key: (self.penult[key] >= 0, self.last[key]))
 
+    def by_second_use(self) -> list[Key]:
+        """LRU-2: the keys used once, least recent first, then the reused ones by their
+        second most recent use (ties, a request's keys, by last use)."""
+        penult, last = self.penult, self.last
+        return sorted(last, key=lambda key: (penult[key] >= 0, penult[key], last[key]))
+
+    def ordered(self, order: str) -> list[Key]:
+        """Every key in ``order`` (one of ``DUEL_ORDERS``), victims first."""
+        if order == "lru":
+            return self.by_recency()
+        return self.by_reuse() if order == "reuse" else self.by_second_use()
+
     def clear(self) -> None:
         self.last.clear()
         self.penult.clear()
@@ -281,18 +297,18 @@ class KeyUses:
 
 @dataclass
 class ShadowPool:
-    """A keys-only pool of ``capacity`` blocks in LRU (``reuse`` False) or reuse order, driven
-    by the touched requests as an engine drives a pool: a request's hits are its longest
-    resident prefix, then its absent keys are stored (evicting keys outside the request;
-    none if they cannot fit), then it is touched (the first key ends most recent; a key
-    just stored is not reused). ``score`` is the decayed count of its hits.
+    """A keys-only pool of ``capacity`` blocks in one of the ``DUEL_ORDERS`` (``order``),
+    driven by the touched requests as an engine drives a pool: a request's hits are its
+    longest resident prefix, then its absent keys are stored (evicting keys outside the
+    request; none if they cannot fit), then it is touched (the first key ends most recent; a
+    key just stored is not reused). ``score`` is the decayed count of its hits.
 
     A sampled shadow (``rate`` above 1) sees only the keys ``in_sample`` picks, about one in
     ``rate``, in a pool of ``capacity`` (the real one's divided by ``rate``): a sample of
     the keys sees about the same hit ratio as all of them (SHARDS, Waldspurger et al.)."""
 
     capacity: int
-    reuse: bool
+    order: str
     uses: KeyUses
     rate: int = 1
     clock: int = 0
@@ -307,8 +323,7 @@ class ShadowPool:
         self.score = self.score * DUEL_DECAY + hits
         distinct = list(dict.fromkeys(keys))
         absent = [key for key in distinct if key not in resident]
-        order = self.uses.by_reuse() if self.reuse else self.uses.by_recency()
-        outside = [key for key in order if key not in distinct]
+        outside = [key for key in self.uses.ordered(self.order) if key not in distinct]
         need = len(absent) - (self.capacity - len(resident))
         if need > len(outside):
             absent = []
@@ -328,26 +343,32 @@ class ShadowPool:
 
     def copy(self) -> ShadowPool:
         uses = self.uses.copy()
-        return ShadowPool(self.capacity, self.reuse, uses, self.rate, self.clock, self.score)
+        return ShadowPool(self.capacity, self.order, uses, self.rate, self.clock, self.score)
 
 
 @dataclass
 class DuelOrder(Order):
-    """Victims in LRU or in reuse order, whichever would have served more prefix hits lately.
+    """Victims in the order that would have served the most prefix hits lately: LRU, the
+    reuse order or LRU-2 (``DUEL_ORDERS``).
 
-    LRU wins when the pool holds the workload's reuse distances; the reuse order (segmented
-    LRU: the keys used once go first, least recent first, then the reused ones, least
-    recent first) when it does not: one-shot blocks then flush everything under LRU. Two
-    shadows, keys-only pools in each order that see a sample of the keys (``ShadowPool``),
-    replay every touched request and score the prefix hits they would have served; the
-    real pool evicts in the order of the shadow with the higher score (LRU on a tie).
-    Only ``touch`` feeds the shadows: it names a request's keys in order, which is what a
-    prefix hit needs. Recency (both orders) comes from insertion and ``touch`` alone.
+    A request reuses only a prefix of its blocks, and a conversation's prefix is reused when
+    its next turn arrives. LRU wins when the pool holds the workload's reuse distances. When
+    it does not, one-shot blocks flush everything under LRU, and the two scan-resistant
+    orders evict the keys used once first (least recent first): the reuse order (segmented
+    LRU) then the reused ones by last use, LRU-2 by their second most recent use, which
+    evicts first the prefixes whose last two uses lay furthest apart (the conversations
+    that come back least often) and keeps those that return soon. Three shadows,
+    keys-only pools in each order that see a sample of the keys (``ShadowPool``), replay
+    every touched request and score the prefix hits they would have served; the real pool
+    evicts in the order of the shadow with the highest score (a tie goes to the earlier
+    of ``DUEL_ORDERS``). Only ``touch`` feeds the shadows: it names a request's keys in
+    order, which is what a prefix hit needs. Recency (every order) comes from insertion and
+    ``touch`` alone.
     """
 
     capacity: int
     uses: KeyUses
-    shadows: tuple[ShadowPool, ShadowPool]
+    shadows: tuple[ShadowPool, ShadowPool, ShadowPool]
     clock: int = 0
 
     @staticmethod
@@ -355,13 +376,17 @@ class DuelOrder(Order):
         rate = duel_sample_rate(capacity)
         size = capacity // rate
         # LRU never reads a second use: its shadow keeps no history.
-        lru = ShadowPool(size, reuse=False, uses=KeyUses(0), rate=rate)
-        reuse = ShadowPool(size, reuse=True, uses=KeyUses(DUEL_HISTORY * size), rate=rate)
-        return DuelOrder(capacity, KeyUses(DUEL_HISTORY * capacity), (lru, reuse))
+        lru = ShadowPool(size, "lru", KeyUses(0), rate)
+        reuse = ShadowPool(size, "reuse", KeyUses(DUEL_HISTORY * size), rate)
+        lru2 = ShadowPool(size, "lru2", KeyUses(DUEL_HISTORY * size), rate)
+        return DuelOrder(capacity, KeyUses(DUEL_HISTORY * capacity), (lru, reuse, lru2))
 
     @property
-    def follows_reuse(self) -> bool:
-        return self.shadows[1].score > self.shadows[0].score
+    def leader(self) -> str:
+        """The order victims come in now: the shadow with the highest score, the earliest on
+        a tie."""
+        best = max(shadow.score for shadow in self.shadows)
+        return next(shadow.order for shadow in self.shadows if shadow.score == best)
 
     def insert(self, key: Key) -> None:
         self.clock += 1
@@ -384,36 +409,44 @@ class DuelOrder(Order):
                 self.uses.use(key, self.clock, reused=is_ready(key))
 
     def choose_victims(self, need: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
-        order = self.uses.by_reuse() if self.follows_reuse else self.uses.by_recency()
-        candidates = [key for key in order if can_evict(key)]
+        candidates = [key for key in self.uses.ordered(self.leader) if can_evict(key)]
         return candidates[:need] if len(candidates) >= need else None
 
     def resident(self) -> list[Key]:
         return self.uses.by_recency()
 
     def snapshot(self) -> tuple[object, ...]:
-        """The resident keys by last use and by reuse, the history, each shadow's keys in its
-        own order and its history, and the two scores (compared with the manager's)."""
-        lru, reuse = self.shadows
+        """The resident keys in each order, the history (keys, and the last uses the LRU-2
+        order reads), each shadow's keys in its own order and its history, and the scores
+        (compared with the manager's)."""
+        uses = self.uses
         return (
-            self.uses.by_recency(),
-            self.uses.by_reuse(),
-            list(self.uses.history),
-            [lru.uses.by_recency(), reuse.uses.by_reuse()],
-            [list(lru.uses.history), list(reuse.uses.history)],
-            (lru.score, reuse.score),
+            [uses.ordered(order) for order in DUEL_ORDERS],
+            list(uses.history.items()),
+            [shadow.uses.ordered(shadow.order) for shadow in self.shadows],
+            [_history(shadow) for shadow in self.shadows],
+            tuple(shadow.score for shadow in self.shadows),
         )
 
     def fingerprint(self) -> tuple[Hashable, Hashable]:
         """As ``LruOrder.fingerprint``: stamps as ranks, so equal orders compare equal."""
-        parts: list[Hashable] = [self._ranks(self.uses), self.follows_reuse]
+        parts: list[Hashable] = [self._ranks(self.uses, DUEL_ORDERS), self.leader]
         for shadow in self.shadows:
-            parts += [self._ranks(shadow.uses), shadow.score]
+            parts += [self._ranks(shadow.uses, (shadow.order,)), shadow.score]
         return tuple(parts), ()
 
     @staticmethod
-    def _ranks(uses: KeyUses) -> Hashable:
-        return (tuple(uses.by_recency()), tuple(uses.by_reuse()), tuple(uses.history))
+    def _ranks(uses: KeyUses, orders: Sequence[str]) -> Hashable:
+        """The orders that decide the pool's future: its own, and, where LRU-2 reads them,
+        the history's last uses as ranks among its keys' last uses."""
+        ranked = tuple(tuple(uses.ordered(order)) for order in orders)
+        if "lru2" not in orders:
+            return ranked, tuple(uses.history)
+        times = sorted({*uses.last.values(), *uses.penult.values(), *uses.history.values()})
+        rank = {time: number for number, time in enumerate(times)}
+        penult = tuple((key, rank[uses.penult[key]]) for key in ranked[0])
+        gone = tuple((key, rank[time]) for key, time in uses.history.items())
+        return ranked, penult, gone
 
     def clear(self) -> None:
         self.uses.clear()
@@ -422,8 +455,16 @@ class DuelOrder(Order):
 
     def copy(self) -> DuelOrder:
         """A deep copy (keys are immutable: only the containers are copied)."""
-        lru, reuse = self.shadows
-        return DuelOrder(self.capacity, self.uses.copy(), (lru.copy(), reuse.copy()), self.clock)
+        lru, reuse, lru2 = (shadow.copy() for shadow in self.shadows)
+        return DuelOrder(self.capacity, self.uses.copy(), (lru, reuse, lru2), self.clock)
+
+
+def _history(shadow: ShadowPool) -> list[object]:
+    """A shadow's history as the manager's must match it: keys, with the last uses where
+    the shadow's order reads them (LRU-2)."""
+    if shadow.order == "lru2":
+        return list(shadow.uses.history.items())
+    return list(shadow.uses.history)
 
 
 PolicyOrder = LruOrder | ArcOrder | DuelOrder

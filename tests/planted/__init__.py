@@ -162,7 +162,19 @@ _MANAGERS = (
         "duel",
         CONFORMANCE,
     ),
-    _entry("duel follows LRU-2 on a tie", broken.DuelFollowsLru2OnATie, "duel", CONFORMANCE),
+    _entry(
+        "duel breaks a tie towards LRU-2",
+        broken.DuelBreaksTiesTowardsTheLastOrder,
+        "duel",
+        CONFORMANCE,
+    ),
+    _entry("duel: LRU-2 reads the last use", broken.DuelLru2ReadsTheLastUse, "duel", CONFORMANCE),
+    _entry(
+        "duel: a gone key's last use forgotten",
+        broken.DuelForgetsTheLastUseOfAGoneKey,
+        "duel",
+        CONFORMANCE,
+    ),
     _entry("user policy refuses a store that fits", broken.GivesUpOnProtected, None, CONFORMANCE),
     _entry(
         "touch deduplicated keeping the last (LRU)",

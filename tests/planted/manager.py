@@ -7,7 +7,7 @@ does not know (the base of one bug, and the kit's example of a user's policy).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Container, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 
 from kvoffload.manager import OffloadManager
 from kvoffload.offloader import Offloader
@@ -15,6 +15,7 @@ from kvoffload.policies.arc import ArcPolicy
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.duel import DuelPolicy
 from kvoffload.policies.lru import LruPolicy
+from kvoffload.policies.recency import unprotected
 from kvoffload_spec.surface import Key, LoadPlan, Plan, RemovalReason, StorePlan
 from kvoffload_spec.validation import check_flag, check_keys
 
@@ -149,13 +150,30 @@ class DuelTouchOfPendingIsReuse(DuelPolicy):
         super().touch(keys, lambda key: True)
 
 
-class DuelFollowsLru2OnATie(DuelPolicy):
+class DuelBreaksTiesTowardsTheLastOrder(DuelPolicy):
     """Victims in LRU-2 order while the shadows' scores are equal (at the start, say)."""
 
     @property
-    def follows_reuse(self) -> bool:
-        lru, lru2 = self.scores
-        return lru2 >= lru
+    def leader(self) -> str:
+        best = max(self.scores)
+        return [s.order for s in self._shadows if s.score == best][-1]
+
+
+class DuelLru2ReadsTheLastUse(DuelPolicy):
+    """LRU-2 orders the reused keys by their last use, as the reuse order does."""
+
+    def _candidates(self, protected: Container[Key]) -> Iterator[Key]:
+        order = "reuse" if self.leader == "lru2" else self.leader
+        return unprotected(self._uses.ordered(order), protected)
+
+
+class DuelForgetsTheLastUseOfAGoneKey(DuelPolicy):
+    """A key stored again counts as reused, but its second use is taken as time 0 rather
+    than its last use before it was evicted."""
+
+    def insert(self, key: Key) -> None:
+        super().insert(key)
+        self._uses.stamps[key] &= (1 << 41) - 1
 
 
 class GivesUpOnProtected(MostRecentFirst):

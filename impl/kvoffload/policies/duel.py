@@ -1,16 +1,18 @@
-"""Dueling eviction: LRU or the reuse order, whichever would have served more prefix hits.
+"""Dueling eviction: LRU, the reuse order or LRU-2, whichever would have served the most
+prefix hits.
 
-The two orders win in different regimes. When the pool is small against the reuse
-distances of a workload, LRU flushes every block before its next use, while the reuse
-order (segmented LRU: blocks used once go first, least recent first, then the reused ones,
-least recent first) keeps the blocks that were reused and loses the one-shot ones. When the
-pool is large, the reuse order holds on to blocks reused long ago and LRU wins. Which
-regime holds depends on the workload and the pool, so the policy measures it: two
-*shadows*, keys-only simulations of an LRU and a reuse-order pool of the same capacity,
-replay every touched request and count the prefix hits each would have served (a request
-reuses only a prefix of its blocks, so a block counts only if every block before it is
-resident too). The real pool evicts in the order of the shadow with the higher score;
-scores decay, so the choice follows the workload as it changes.
+The orders win in different regimes. When the pool is small against the reuse distances of
+a workload, LRU flushes every block before its next use, while the scan-resistant orders
+evict the blocks used once first and keep the reused ones: the reuse order (segmented LRU)
+then evicts the reused blocks by last use, LRU-2 by their second most recent use, so that
+the prefixes of the conversations that come back least often go first. When the pool is
+large, both hold on to blocks reused long ago and LRU wins. Which regime holds depends on
+the workload and the pool, so the policy measures it: three *shadows*, keys-only
+simulations of a pool in each order with the same capacity, replay every touched request
+and count the prefix hits each would have served (a request reuses only a prefix of its
+blocks, so a block counts only if every block before it is resident too). The real pool
+evicts in the order of the shadow with the highest score; scores decay, so the choice
+follows the workload as it changes.
 
 See the spec's ``DuelOrder`` (``kvoffload_spec.policies``) for the rules written plainly.
 
@@ -19,28 +21,38 @@ modulo ``sample_rate(capacity)``, in a pool of ``capacity // rate`` blocks, so t
 cost a thirty-second of the pool at most sizes while pools under 2,048 blocks are
 simulated whole.
 
-Both orders come from one stamp per key: twice its last use, plus one once the key was
+Every order comes from one stamp per key: twice its last use, plus one once the key was
 reused. The evictable keys sit in two sorted lists by stamp, the keys used once and the
 reused ones: the reuse order reads the first list and then the second, LRU merges the two
-by stamp. So a resident key costs what it costs under LRU (one stamp, one sorted-list
-entry), every operation is O(k log n) for k keys (the shadows' included), and finding
-victims walks only evictable keys. The history of evicted keys (bounded, like ARC's
-ghosts) holds keys only: up to ``HISTORY`` times the pool for the real pool and the
-reuse-order shadow.
+by stamp. LRU-2 reads the first list and then a third one, of the evictable reused keys by
+``second``: their second most recent use, shifted up, plus the last use (a key used once
+has none). Every operation is O(k log n) for k keys (the shadows' included), and finding
+victims walks only evictable keys. The histories of evicted keys (bounded, like ARC's
+ghosts) hold keys, and the last use where LRU-2 reads it: up to ``HISTORY`` times the pool
+for the real pool and the scan-resistant shadows.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from zlib import crc32
 
+from sortedcontainers import SortedKeyList
+
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.policies.recency import stamp_ordered, unprotected
 from kvoffload.sharded import OrderedKeys, ShardedDict
-from kvoffload_spec.policies import DUEL_DECAY, DUEL_HISTORY, DUEL_SAMPLE, DUEL_SAMPLE_MIN
+from kvoffload_spec.policies import (
+    DUEL_DECAY,
+    DUEL_HISTORY,
+    DUEL_ORDERS,
+    DUEL_SAMPLE,
+    DUEL_SAMPLE_MIN,
+)
 from kvoffload_spec.surface import Key
 
 if TYPE_CHECKING:
@@ -72,21 +84,43 @@ def stable_hash(key: Key) -> int:
     return crc32(repr(key).encode("utf-8", "backslashreplace"))
 
 
-class _Uses:
-    """The keys of one pool (the real one or a shadow) and both orders over them.
+_SECOND_SHIFT = 41  # a stamp is second use << 41 | last use << 1 | reused
+_RECENCY = (1 << _SECOND_SHIFT) - 1  # the last use and the reused bit
 
-    ``stamps[key]`` is twice the key's last use, plus one once it was reused: unique, so
-    ordering by it is LRU order, and its low bit says which of the two sorted lists
-    (``once``, ``reused``) holds the key while it is evictable. ``history`` holds the
-    last ``limit`` evicted keys, oldest first: one stored again is reused at once.
+
+def _recency(stamps: ShardedDict[Key, int], key: Key) -> int:
+    """The part of ``key``'s stamp that orders by last use (a sort key of ``reused``)."""
+    return stamps[key] & _RECENCY
+
+
+class _Uses:
+    """The keys of one pool (the real one or a shadow) and its orders over them.
+
+    ``stamps[key]`` is twice the key's last use, plus one once it was reused, and, in a
+    pool that follows LRU-2 (``lru2``), the reused key's second most recent use shifted
+    above both: ``second << 41 | last << 1 | reused``. Its low 41 bits are unique and
+    order by last use (LRU order); the low bit says which of the two sorted lists
+    (``once``, ``reused``) holds the key while it is evictable; and the whole stamp orders
+    the reused keys of ``paired`` (LRU-2) by second use, then by last. So LRU-2 costs a
+    reused key one more sorted-list entry and one more int, not a table. ``history`` holds
+    the last ``limit`` evicted keys, oldest first, each with its last use when ``lru2``
+    (else 0): one stored again is reused at once, its last use before it left being its
+    second most recent.
     """
 
-    __slots__ = ("history", "limit", "once", "reused", "stamps")
+    __slots__ = ("history", "limit", "lru2", "once", "paired", "recency", "reused", "stamps")
 
-    def __init__(self, capacity: int, history_limit: int) -> None:
+    def __init__(self, capacity: int, history_limit: int, *, lru2: bool) -> None:
         self.stamps: ShardedDict[Key, int] = ShardedDict(capacity)
-        self.once = stamp_ordered(self.stamps)
-        self.reused = stamp_ordered(self.stamps)
+        self.lru2 = lru2
+        self.once = stamp_ordered(self.stamps)  # a once-used key's stamp has no second use
+        self.paired = stamp_ordered(self.stamps) if lru2 else None
+        if lru2:
+            self.recency: Callable[[Key], int] = functools.partial(_recency, self.stamps)
+            self.reused = SortedKeyList(key=self.recency)
+        else:
+            self.recency = self.stamps.__getitem__
+            self.reused = stamp_ordered(self.stamps)
         self.history: OrderedKeys[Key] = OrderedKeys(history_limit)
         self.limit = history_limit
 
@@ -95,47 +129,86 @@ class _Uses:
         return self.reused if stamp & 1 else self.once
 
     def insert(self, key: Key, tick: int) -> None:
-        self.stamps[key] = tick << 1 | self.history.discard(key)
+        before = self.history.pop(key)
+        if before is None:
+            self.stamps[key] = tick << 1
+        else:
+            self.stamps[key] = (
+                before << _SECOND_SHIFT | tick << 1 | 1 if self.lru2 else tick << 1 | 1
+            )
 
     def use(self, key: Key, tick: int, *, reused: bool, evictable: bool) -> None:
         stamp = self.stamps[key]
         if evictable:
-            self.listed(stamp).remove(key)
-        stamp = tick << 1 | stamp & 1 | reused
+            self.discard(key)
+        if not self.lru2:
+            stamp = tick << 1 | stamp & 1 | reused
+        elif reused:  # the last use becomes the second
+            stamp = (stamp & _RECENCY) >> 1 << _SECOND_SHIFT | tick << 1 | 1
+        else:  # recency only: the second use stays
+            stamp = stamp >> _SECOND_SHIFT << _SECOND_SHIFT | tick << 1 | stamp & 1
         self.stamps[key] = stamp
         if evictable:
-            self.listed(stamp).add(key)
+            self.add(key)
 
     def add(self, key: Key) -> None:
-        self.listed(self.stamps[key]).add(key)
+        if self.stamps[key] & 1:
+            self.reused.add(key)
+            if self.paired is not None:
+                self.paired.add(key)
+        else:
+            self.once.add(key)
 
     def discard(self, key: Key) -> None:
-        self.listed(self.stamps[key]).remove(key)
+        if self.stamps[key] & 1:
+            self.reused.remove(key)
+            if self.paired is not None:
+                self.paired.remove(key)
+        else:
+            self.once.remove(key)
 
     def forget(self, key: Key) -> None:
         """``key`` left (evicted, and not evictable any more): it goes to the history."""
-        del self.stamps[key]
+        last = (self.stamps.pop(key) & _RECENCY) >> 1
         if self.limit:
-            self.history.append_within(key, self.limit)
+            self.history.append_within(key, self.limit, last if self.lru2 else 0)
 
     def drop(self, key: Key) -> None:
         """``key`` left without a use worth remembering (its store failed)."""
         del self.stamps[key]
 
-    def ordered(self, *, by_reuse: bool) -> Iterator[Key]:
-        """The evictable keys, victims first, in the reuse order or in LRU order."""
-        if by_reuse:
+    def ordered(self, order: str) -> Iterator[Key]:
+        """The evictable keys, victims first, in ``order`` (one of ``DUEL_ORDERS``)."""
+        if order == "reuse":
             return itertools.chain(self.once, self.reused)
-        return heapq.merge(self.once, self.reused, key=self.stamps.__getitem__)
+        if order == "lru2" and self.paired is not None:
+            return itertools.chain(self.once, self.paired)
+        return heapq.merge(self.once, self.reused, key=self.recency)
 
-    def by_recency(self) -> list[Key]:
-        """Every key, least recent first (O(n log n): for checks)."""
-        return sorted(self.stamps, key=self.stamps.__getitem__)
+    def penult(self, key: Key) -> int:
+        """The second most recent use of a resident key, -1 if it was used once; 0 stands
+        for any second use in a pool that does not follow LRU-2 (it reads only whether
+        there is one)."""
+        stamp = self.stamps[key]
+        return stamp >> _SECOND_SHIFT if stamp & 1 else -1
 
-    def by_reuse(self) -> list[Key]:
-        """Every key in the reuse order (O(n log n): for checks)."""
-        stamps = self.stamps
-        return sorted(stamps, key=lambda key: (stamps[key] & 1, stamps[key]))
+    def last(self, key: Key) -> int:
+        """The last use of a resident key."""
+        return (self.stamps[key] & _RECENCY) >> 1
+
+    def everything(self, order: str) -> list[Key]:
+        """Every key in ``order`` (O(n log n): for checks)."""
+        stamps, recency = self.stamps, self.recency
+        if order == "lru":
+            return sorted(stamps, key=recency)
+        if order == "reuse":
+            return sorted(stamps, key=lambda key: (stamps[key] & 1, recency(key)))
+        penult = self.penult
+        return sorted(stamps, key=lambda key: (stamps[key] & 1, penult(key), recency(key)))
+
+    def past(self) -> list[object]:
+        """The history as the spec's must match it: keys, with last uses under LRU-2."""
+        return list(self.history.items()) if self.lru2 else list(self.history)
 
     def evictable(self) -> int:
         return len(self.once) + len(self.reused)
@@ -144,22 +217,25 @@ class _Uses:
         self.once.clear()
         self.reused.clear()
         self.stamps.clear()
+        if self.paired is not None:
+            self.paired.clear()
         self.history.clear()
 
 
 class _Shadow:
-    """A keys-only pool of ``capacity`` blocks in LRU (``reuse=False``) or reuse order,
-    driven by the touched requests as an engine drives the real pool, scoring its prefix
-    hits. Every key of a shadow is evictable."""
+    """A keys-only pool of ``capacity`` blocks in one of ``DUEL_ORDERS``, driven by the
+    touched requests as an engine drives the real pool, scoring its prefix hits. Every key
+    of a shadow is evictable."""
 
-    __slots__ = ("capacity", "clock", "mask", "reuse", "score", "uses")
+    __slots__ = ("capacity", "clock", "mask", "order", "score", "uses")
 
-    def __init__(self, capacity: int, *, reuse: bool, rate: int) -> None:
+    def __init__(self, capacity: int, order: str, *, rate: int) -> None:
         self.capacity = capacity // rate
         self.mask = rate - 1  # a power of two: in the sample when the hash's low bits are 0
-        self.reuse = reuse
+        self.order = order
         # LRU never reads a reuse: its shadow keeps no history.
-        self.uses = _Uses(self.capacity, HISTORY * self.capacity if reuse else 0)
+        limit = HISTORY * self.capacity if order != "lru" else 0
+        self.uses = _Uses(self.capacity, limit, lru2=order == "lru2")
         self.score = 0.0
         self.clock = 0
 
@@ -178,7 +254,7 @@ class _Shadow:
         if need > size - (len(distinct) - len(absent)):
             absent = []  # it does not fit: the store is refused, the touch still counts
         elif need > 0:
-            ordered = uses.ordered(by_reuse=self.reuse)
+            ordered = uses.ordered(self.order)
             for key in list(itertools.islice(unprotected(ordered, distinct), need)):
                 uses.discard(key)
                 uses.forget(key)
@@ -192,20 +268,18 @@ class _Shadow:
                 self.clock += 1
                 uses.use(key, self.clock, reused=key not in fresh, evictable=True)
 
-    def order(self) -> list[Key]:
-        return self.uses.by_reuse() if self.reuse else self.uses.by_recency()
-
     def clear(self) -> None:
         self.uses.clear()
         self.score = 0.0
 
 
 class DuelPolicy(EvictionPolicy):
-    """Victims in LRU or reuse order, whichever shadow scored more prefix hits lately.
+    """Victims in LRU, reuse or LRU-2 order, whichever shadow scored the most prefix hits
+    lately.
 
-    Every resident key has one stamp (see ``_Uses``); the evictable keys sit in two sorted
-    lists by stamp, so choosing k victims costs O(k log n) in either order, however many
-    blocks are pinned or pending.
+    Every resident key has one stamp, and a reused one its second use too (see ``_Uses``);
+    the evictable keys sit in sorted lists, so choosing k victims costs O(k log n) in any
+    order, however many blocks are pinned or pending.
     """
 
     touch_counts_reuse = True  # a touch of a ready key is its second use in reuse order
@@ -214,24 +288,26 @@ class DuelPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._uses = _Uses(capacity, HISTORY * capacity)
+        self._uses = _Uses(capacity, HISTORY * capacity, lru2=True)
         rate = sample_rate(capacity)
-        self._shadows = (
-            _Shadow(capacity, reuse=False, rate=rate),
-            _Shadow(capacity, reuse=True, rate=rate),
-        )
+        self._shadows = tuple(_Shadow(capacity, order, rate=rate) for order in DUEL_ORDERS)
         self._clock = 0
 
     @property
-    def follows_reuse(self) -> bool:
-        """Whether victims come in reuse order now (else LRU): the reuse shadow leads."""
-        lru, reuse = self._shadows
-        return reuse.score > lru.score
+    def leader(self) -> str:
+        """The order victims come in now: the shadow with the highest score, the earliest of
+        ``DUEL_ORDERS`` on a tie."""
+        shadows = self._shadows
+        best = shadows[0]
+        for shadow in shadows[1:]:
+            if shadow.score > best.score:
+                best = shadow
+        return best.order
 
     @property
-    def scores(self) -> tuple[float, float]:
-        """The decayed prefix-hit scores of the LRU and the reuse-order shadow."""
-        return self._shadows[0].score, self._shadows[1].score
+    def scores(self) -> tuple[float, ...]:
+        """The decayed prefix-hit scores of the shadows, in ``DUEL_ORDERS``."""
+        return tuple(shadow.score for shadow in self._shadows)
 
     def insert(self, key: Key) -> None:
         self._uses.insert(key, self._tick())
@@ -271,38 +347,39 @@ class DuelPolicy(EvictionPolicy):
             shadow.clear()
 
     def resident(self) -> list[Key]:
-        return self._uses.by_recency()
+        return self._uses.everything("lru")
 
     def snapshot(self) -> tuple[object, ...]:
         """Everything that decides the future, in the shape of the spec's
         ``DuelOrder.snapshot()`` (O(n log n): for checks and tests)."""
         uses = self._uses
         return (
-            uses.by_recency(),
-            uses.by_reuse(),
-            list(uses.history),
-            [shadow.order() for shadow in self._shadows],
-            [list(shadow.uses.history) for shadow in self._shadows],
+            [uses.everything(order) for order in DUEL_ORDERS],
+            uses.past(),
+            [shadow.uses.everything(shadow.order) for shadow in self._shadows],
+            [shadow.uses.past() for shadow in self._shadows],
             self.scores,
         )
 
-    def orders(self) -> tuple[list[Key], list[Key]]:
-        """The evictable keys in LRU and in reuse order, victims first (for checks)."""
-        uses = self._uses
-        return list(uses.ordered(by_reuse=False)), list(uses.ordered(by_reuse=True))
+    def orders(self) -> list[list[Key]]:
+        """The evictable keys in each of ``DUEL_ORDERS``, victims first (for checks)."""
+        return [list(self._uses.ordered(order)) for order in DUEL_ORDERS]
 
     def check_invariants(self, is_evictable: Callable[[Key], bool]) -> list[str]:
         problems: list[str] = []
         uses = self._uses
-        by_last = [key for key in uses.by_recency() if is_evictable(key)]
-        by_reuse = [key for key in uses.by_reuse() if is_evictable(key)]
-        if self.orders() != (by_last, by_reuse):
-            problems.append(f"duel's evictable orders are {self.orders()}, expected {by_last}")
+        expected = [
+            [key for key in uses.everything(order) if is_evictable(key)] for order in DUEL_ORDERS
+        ]
+        if self.orders() != expected:
+            problems.append(f"duel's evictable orders are {self.orders()}, expected {expected}")
         stamps = uses.stamps
         if any(stamps[key] & 1 for key in uses.once) or not all(
             stamps[key] & 1 for key in uses.reused
         ):
             problems.append("duel lists a key used once as reused, or the reverse")
+        if any(stamps[key] >> _SECOND_SHIFT and not stamps[key] & 1 for key in stamps):
+            problems.append("duel keeps a second use for a key used once")
         if len(uses.history) > uses.limit:
             problems.append("duel's history exceeds its bound")
         if any(key in uses.stamps for key in uses.history):
@@ -310,7 +387,7 @@ class DuelPolicy(EvictionPolicy):
         return problems
 
     def _candidates(self, protected: Container[Key]) -> Iterator[Key]:
-        return unprotected(self._uses.ordered(by_reuse=self.follows_reuse), protected)
+        return unprotected(self._uses.ordered(self.leader), protected)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -319,10 +396,10 @@ class DuelPolicy(EvictionPolicy):
     def abstract_order(self) -> DuelOrder:
         from kvoffload_spec.policies import DuelOrder, ShadowPool
 
-        lru, lru2 = (
+        lru, reuse, lru2 = (
             ShadowPool(
                 shadow.capacity,
-                shadow.reuse,
+                shadow.order,
                 _spec_uses(shadow.uses),
                 shadow.mask + 1,
                 shadow.clock,
@@ -330,17 +407,17 @@ class DuelPolicy(EvictionPolicy):
             )
             for shadow in self._shadows
         )
-        return DuelOrder(self.capacity, _spec_uses(self._uses), (lru, lru2), self._clock)
+        return DuelOrder(self.capacity, _spec_uses(self._uses), (lru, reuse, lru2), self._clock)
 
 
 def _spec_uses(uses: _Uses) -> KeyUses:
     """The spec's bookkeeping that ``uses`` stands for. A stamp is twice the last use plus
-    the reused bit; the spec keeps a second use's time where this keeps only that bit, and
-    its order reads only whether there is one, so 0 stands for "reused". The history's
-    last uses are likewise only read as "was here": 0 each, in the same order."""
+    the reused bit; a pool that follows LRU-2 keeps the second use's time as the spec does,
+    and the last uses of its history. One that does not reads only whether there is a
+    second use, so 0 stands for any, and its history's last uses are likewise only read as
+    "was here": 0 each, in the same order."""
     from kvoffload_spec.policies import KeyUses
 
-    stamps = dict(uses.stamps.items())
-    last = {key: stamp >> 1 for key, stamp in stamps.items()}
-    penult = {key: 0 if stamp & 1 else -1 for key, stamp in stamps.items()}
-    return KeyUses(uses.limit, last, penult, dict.fromkeys(uses.history, 0))
+    last = {key: uses.last(key) for key in uses.stamps}
+    penult = {key: uses.penult(key) for key in uses.stamps}
+    return KeyUses(uses.limit, last, penult, dict(uses.history.items()))
