@@ -11,13 +11,15 @@ reports on a corrupted policy.
 from __future__ import annotations
 
 import itertools
+import random
 import zlib
 from collections.abc import Callable
 
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
-from kvoffload.policies.duel import HISTORY, DuelPolicy, stable_hash
+from kvoffload.policies.duel import HISTORY, DuelPolicy, _ByLast, stable_hash
+from kvoffload.sharded import ShardedDict
 from kvoffload_spec.policies import DUEL_DECAY, DUEL_ORDERS, DuelOrder, sample_hash
 from kvoffload_spec.surface import Key
 from tests.policy_machine import CAPACITY, KEYS, PolicyAgainstSpec
@@ -311,3 +313,24 @@ def test_a_full_history_is_not_overfull() -> None:
 def test_a_resident_key_in_the_history_is_reported() -> None:
     problems = broken(lambda policy: policy._uses.history.append("b"))
     assert problems == ["a resident key is in duel's history"]
+
+
+def test_the_reused_keys_by_last_use_stay_ordered_when_keys_arrive_older() -> None:
+    """``_ByLast``, the LRU-2 pool's list of reused keys by last use, over several buckets:
+    keys added out of order (as unpinned keys return) and removed until buckets empty."""
+    stamps: ShardedDict[Key, int] = ShardedDict(64)
+    listed = _ByLast(stamps)
+    ticks = list(range(0, 3000, 3))
+    random.Random(7).shuffle(ticks)
+    for number, tick in enumerate(ticks):  # second uses in the high bits, in no order
+        stamps[f"k{tick}"] = (number % 5) << 41 | tick << 1 | 1
+        listed.add(f"k{tick}")
+    by_last = [f"k{tick}" for tick in sorted(ticks)]
+    assert list(listed) == by_last and len(listed) == len(ticks)
+    for key in by_last[::2] + by_last[1:600:2]:
+        listed.remove(key)
+    kept = by_last[601::2]
+    assert list(listed) == kept and len(listed) == len(kept)
+    assert kept[0] in listed and by_last[0] not in listed and "absent" not in listed
+    listed.clear()
+    assert list(listed) == [] and len(listed) == 0

@@ -26,10 +26,13 @@ reused. The evictable keys sit in two sorted lists by stamp, the keys used once 
 reused ones: the reuse order reads the first list and then the second, LRU merges the two
 by stamp. LRU-2 reads the first list and then a third one, of the evictable reused keys by
 ``second``: their second most recent use, shifted up, plus the last use (a key used once
-has none). Every operation is O(k log n) for k keys (the shadows' included), and finding
-victims walks only evictable keys. The histories of evicted keys (bounded, like ARC's
-ghosts) hold keys, and the last use where LRU-2 reads it: up to ``HISTORY`` times the pool
-for the real pool and the scan-resistant shadows.
+has none). A pool that follows LRU-2 keeps that in the stamp itself, and lists its reused
+keys by last use in buckets of stamps (``_ByLast``) rather than in a sorted list with a
+derived key, which would hold one more int per key. Every operation is O(k log n) for
+k keys (the shadows' included), and finding victims walks only evictable keys. The
+histories of evicted keys (bounded, like ARC's ghosts) hold keys, and the last use where
+LRU-2 reads it: up to ``HISTORY`` times the pool for the real pool and the scan-resistant
+shadows.
 """
 
 from __future__ import annotations
@@ -37,14 +40,13 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+from bisect import bisect_left, insort
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from zlib import crc32
 
-from sortedcontainers import SortedKeyList
-
 from kvoffload.policies.base import EvictionPolicy
-from kvoffload.policies.recency import stamp_ordered, unprotected
+from kvoffload.policies.recency import STAMPS_PER_BUCKET_BITS, stamp_ordered, unprotected
 from kvoffload.sharded import OrderedKeys, ShardedDict
 from kvoffload_spec.policies import (
     DUEL_DECAY,
@@ -93,6 +95,88 @@ def _recency(stamps: ShardedDict[Key, int], key: Key) -> int:
     return stamps[key] & _RECENCY
 
 
+class _ByLast:
+    """The evictable reused keys of one pool by last use: its stamps' low 41 bits.
+
+    A sorted list ordered by a derived key would hold one new int per entry; this holds
+    none. Keys sit in buckets of 256 consecutive last uses, plain dicts ``key -> stamp``
+    (the stamp table's own int), and ``_ids`` lists the non-empty buckets in ascending
+    order, as ``StampOrder`` does. A key nearly always arrives as the most recent, so a
+    bucket's insertion order is its order; one that arrives older (a key unpinned, or
+    stored again) marks its bucket unsorted, sorted when next read. As with a sorted
+    list's key, a key's stamp must not change while it is listed here.
+    """
+
+    __slots__ = ("_buckets", "_ids", "_newest", "_size", "_stamps", "_unsorted")
+
+    _BITS = STAMPS_PER_BUCKET_BITS + 1  # the reused bit is not time
+
+    def __init__(self, stamps: ShardedDict[Key, int]) -> None:
+        self._stamps = stamps
+        self._buckets: dict[int, dict[Key, int]] = {}
+        self._ids: list[int] = []
+        self._unsorted: set[int] = set()
+        self._newest = -1
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __contains__(self, key: object) -> bool:
+        stamp = self._stamps.get(key)
+        return stamp is not None and key in self._buckets.get((stamp & _RECENCY) >> self._BITS, ())
+
+    def __iter__(self) -> Iterator[Key]:
+        """By last use, least recent first; nothing may change while it runs."""
+        return itertools.chain.from_iterable(map(self._bucket, self._ids))
+
+    def add(self, key: Key) -> None:
+        stamp = self._stamps[key]
+        last = stamp & _RECENCY
+        at = last >> self._BITS
+        bucket = self._buckets.get(at)
+        self._size += 1
+        if last > self._newest:
+            self._newest = last
+        elif bucket is not None and last < next(reversed(bucket.values())) & _RECENCY:
+            self._unsorted.add(at)
+        if bucket is not None:
+            bucket[key] = stamp
+            return
+        self._buckets[at] = {key: stamp}
+        ids = self._ids
+        if not ids or ids[-1] < at:
+            ids.append(at)
+        else:
+            insort(ids, at)
+
+    def remove(self, key: Key) -> None:
+        at = (self._stamps[key] & _RECENCY) >> self._BITS
+        bucket = self._buckets[at]
+        del bucket[key]
+        self._size -= 1
+        if not bucket:
+            del self._buckets[at]
+            del self._ids[bisect_left(self._ids, at)]
+            self._unsorted.discard(at)
+
+    def clear(self) -> None:
+        self._buckets.clear()
+        self._ids.clear()
+        self._unsorted.clear()
+        self._newest = -1
+        self._size = 0
+
+    def _bucket(self, at: int) -> dict[Key, int]:
+        bucket = self._buckets[at]
+        if at in self._unsorted:
+            ordered = sorted(bucket.items(), key=lambda item: item[1] & _RECENCY)
+            bucket.clear()
+            bucket.update(ordered)
+            self._unsorted.discard(at)
+        return bucket
+
+
 class _Uses:
     """The keys of one pool (the real one or a shadow) and its orders over them.
 
@@ -101,23 +185,43 @@ class _Uses:
     above both: ``second << 41 | last << 1 | reused``. Its low 41 bits are unique and
     order by last use (LRU order); the low bit says which of the two sorted lists
     (``once``, ``reused``) holds the key while it is evictable; and the whole stamp orders
-    the reused keys of ``paired`` (LRU-2) by second use, then by last. So LRU-2 costs a
-    reused key one more sorted-list entry and one more int, not a table. ``history`` holds
+    the reused keys of ``paired`` (LRU-2) by second use, then by last. Such a pool lists
+    its reused keys by last use in ``_ByLast``, which holds the stamps' own ints: LRU-2
+    costs a reused key one more sorted-list entry and a bucket entry, not a table and no
+    int per list. ``history`` holds
     the last ``limit`` evicted keys, oldest first, each with its last use when ``lru2``
     (else 0): one stored again is reused at once, its last use before it left being its
     second most recent.
+
+    A pool that reads only LRU-2 (``by_last`` False: the LRU-2 shadow) leaves ``reused``
+    empty, since no order it reads lists the reused keys by last use: a reused key then
+    costs it one sorted-list entry, as under LRU (it gets to the reused keys by last use
+    only through ``everything``, for checks).
     """
 
-    __slots__ = ("history", "limit", "lru2", "once", "paired", "recency", "reused", "stamps")
+    __slots__ = (
+        "by_last",
+        "history",
+        "limit",
+        "lru2",
+        "once",
+        "paired",
+        "recency",
+        "reused",
+        "stamps",
+    )
 
-    def __init__(self, capacity: int, history_limit: int, *, lru2: bool) -> None:
+    def __init__(
+        self, capacity: int, history_limit: int, *, lru2: bool, by_last: bool = True
+    ) -> None:
         self.stamps: ShardedDict[Key, int] = ShardedDict(capacity)
         self.lru2 = lru2
+        self.by_last = by_last or not lru2
         self.once = stamp_ordered(self.stamps)  # a once-used key's stamp has no second use
         self.paired = stamp_ordered(self.stamps) if lru2 else None
         if lru2:
             self.recency: Callable[[Key], int] = functools.partial(_recency, self.stamps)
-            self.reused = SortedKeyList(key=self.recency)
+            self.reused: Any = _ByLast(self.stamps)
         else:
             self.recency = self.stamps.__getitem__
             self.reused = stamp_ordered(self.stamps)
@@ -153,7 +257,8 @@ class _Uses:
 
     def add(self, key: Key) -> None:
         if self.stamps[key] & 1:
-            self.reused.add(key)
+            if self.by_last:
+                self.reused.add(key)
             if self.paired is not None:
                 self.paired.add(key)
         else:
@@ -161,7 +266,8 @@ class _Uses:
 
     def discard(self, key: Key) -> None:
         if self.stamps[key] & 1:
-            self.reused.remove(key)
+            if self.by_last:
+                self.reused.remove(key)
             if self.paired is not None:
                 self.paired.remove(key)
         else:
@@ -211,7 +317,8 @@ class _Uses:
         return list(self.history.items()) if self.lru2 else list(self.history)
 
     def evictable(self) -> int:
-        return len(self.once) + len(self.reused)
+        reused = self.reused if self.by_last or self.paired is None else self.paired
+        return len(self.once) + len(reused)
 
     def clear(self) -> None:
         self.once.clear()
@@ -235,7 +342,8 @@ class _Shadow:
         self.order = order
         # LRU never reads a reuse: its shadow keeps no history.
         limit = HISTORY * self.capacity if order != "lru" else 0
-        self.uses = _Uses(self.capacity, limit, lru2=order == "lru2")
+        lru2 = order == "lru2"
+        self.uses = _Uses(self.capacity, limit, lru2=lru2, by_last=not lru2)
         self.score = 0.0
         self.clock = 0
 
