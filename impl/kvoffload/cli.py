@@ -138,8 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default=sizes.policy,
         metavar=f"{builtin}|module:Class",
-        help="the CPU pool's eviction policy: a built-in one, or your own EvictionPolicy "
-        "subclass, imported from the current directory or PYTHONPATH (default: %(default)s)",
+        help="the CPU pool's eviction policy: a built-in one (duel follows LRU, segmented "
+        "LRU or LRU-2, whichever its sampled shadow pools find would serve the most prefix "
+        "hits), or your own EvictionPolicy subclass, imported from the current directory or "
+        "PYTHONPATH (default: %(default)s)",
     )
     simulate.add_argument(
         "--block-bytes",
