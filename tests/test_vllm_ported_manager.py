@@ -543,9 +543,8 @@ def test_older_lru_request_does_not_demote_a_newer_shared_access() -> None:
     adapter = manager(3)
     old = context("old")
     pinned, cold, shared = keys([1, 2, 3])
-    for ctx, k, position in [(old, pinned, 16), (context("cold"), cold, 16)] + [
-        (context("newer"), shared, 32)
-    ]:
+    steps = [(old, pinned, 16), (context("cold"), cold, 16), (context("newer"), shared, 32)]
+    for ctx, k, position in steps:
         ctx.set_offload_key_position(k, position)
         assert adapter.prepare_store([k], ctx) is not None
         adapter.complete_store([k], ctx)
@@ -562,12 +561,13 @@ def test_lru_incremental_stores_do_not_rescan_the_prefix() -> None:
     """Each key's position is read once (vLLM's bound: at most three times per key). The
     adapter still touches the request's prefix after each call: docs/integrations.md."""
 
-    class CountingContext(ReqContext):
+    class CountingContext(ReqContext):  # type: ignore[misc]
         position_lookups = 0
 
         def get_offload_key_position(self, key: OffloadKey) -> int | None:
             self.position_lookups += 1
-            return super().get_offload_key_position(key)
+            position: int | None = super().get_offload_key_position(key)
+            return position
 
     prefix = keys(range(64))
     adapter = manager(len(prefix))

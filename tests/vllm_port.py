@@ -119,7 +119,8 @@ def event_sets(
 def reduced(adapter: KvoffloadManager) -> dict[str, int | float]:
     stats = adapter.get_stats()
     assert stats is not None
-    return stats.reduce()
+    values: dict[str, int | float] = stats.reduce()
+    return values
 
 
 def usage(adapter: KvoffloadManager) -> tuple[float, float, float]:

@@ -24,6 +24,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvoffload_spec.errors import InvalidArgumentError
+
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -163,7 +165,9 @@ METRICS: dict[str, Metric] = {
         ),
         Metric("kvoffload_remote_jobs_in_flight", "gauge", "Remote jobs not reported yet."),
         # -- a remote store (RemoteStats) ---------------------------------------------------
-        Metric("kvoffload_remote_calls", "counter", "Calls to the remote store, by op.", _TIER),
+        Metric(
+            "kvoffload_remote_calls", "counter", "Calls to the remote store, by op.", (*_TIER, "op")
+        ),
         Metric(
             "kvoffload_remote_keys",
             "counter",
@@ -404,7 +408,13 @@ class MetricsExporter:
     """
 
     def __init__(self, sources: object, *, label: str = "instance") -> None:
-        from prometheus_client.registry import Collector
+        try:
+            from prometheus_client.registry import Collector
+        except ImportError as error:
+            raise ImportError(
+                "kvoffload's metrics exporter needs prometheus_client: "
+                "pip install 'kvoffload[metrics]'"
+            ) from error
 
         if isinstance(sources, Mapping):
             self._sources: dict[str, object] = {str(name): s for name, s in sources.items()}
@@ -443,9 +453,12 @@ class MetricsExporter:
         from prometheus_client import start_http_server
 
         if self._server is not None:
-            raise RuntimeError("this exporter is serving already")
+            raise InvalidArgumentError("this exporter is serving already")
         self.refresh()
-        self._server, _ = start_http_server(port, addr=addr, registry=self.registry())
+        try:
+            self._server, _ = start_http_server(port, addr=addr, registry=self.registry())
+        except OSError as error:  # the port is taken, or the address is not this host's
+            raise InvalidArgumentError(f"cannot serve metrics on {addr}:{port}: {error}") from None
         bound: int = self._server.server_address[1]
         return bound
 
