@@ -442,3 +442,26 @@ def test_arc_matches_vllms_arc_call_for_call_with_one_store_per_request(
         print(
             f"\nARC vs vLLM: {compared} one-call stores alike; {parted} of 40 two-call walks part"
         )
+
+
+def test_a_request_storing_in_two_calls_keeps_the_calls_order_after_it_finishes() -> None:
+    """The difference left (docs/integrations.md): at the finish vLLM's ARC moves all of a
+    request's own blocks to T1's most recent end, head last; a ready block cannot be
+    reordered by ours without counting a reuse, so the earlier call's blocks stay older."""
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    prefix = keys([1, 2, 3, 4])
+    victims: list[list[OffloadKey]] = []
+    for made in (lambda: manager(4, "arc"), lambda: CPUOffloadingManager(4, "arc")):
+        system = made()
+        ctx = context("two-calls")
+        for position, k in enumerate(prefix, 1):
+            ctx.set_offload_key_position(k, position * 16)
+        for part in (prefix[:2], prefix[2:]):
+            assert system.prepare_store(part, ctx) is not None
+            system.complete_store(part, ctx)
+        system.on_request_finished(ctx)
+        output = system.prepare_store(keys([5]), context("other"))
+        assert output is not None
+        victims.append(output.evicted_keys)
+    assert victims == [keys([2]), keys([4])]

@@ -577,3 +577,37 @@ def test_lru_incremental_stores_do_not_rescan_the_prefix() -> None:
         assert adapter.prepare_store([k], ctx) is not None
         adapter.complete_store([k], ctx)
     assert 0 < ctx.position_lookups <= 3 * len(prefix)
+
+
+def test_failed_store_records_access_once_and_uses_store_miss_hook() -> None:
+    """The policy hears a refused store's miss once per request (vLLM spies on its
+    policy's ``on_store_miss``; ours is a policy subclass, kvoffload's extension point).
+    vLLM's test also spies on its ``on_request_finished`` hook, which our policy
+    interface does not have: at the finish ours touches the request's keys instead."""
+    misses: list[list[Key]] = []
+    touches: list[list[Key]] = []
+
+    class Spy(LruPolicy):
+        def on_store_miss(self, keys: object) -> None:
+            misses.append(list(keys))  # type: ignore[call-overload]
+
+        def touch(self, keys: object, is_ready: object) -> None:
+            touches.append(list(keys))  # type: ignore[call-overload]
+            super().touch(keys, is_ready)  # type: ignore[arg-type]
+
+    from kvoffload.manager import OffloadManager
+
+    adapter = KvoffloadManager(1, manager=OffloadManager(1, Spy))
+    resident, candidate = keys([1, 2])
+    stored(adapter, [1], context("seed"))
+    pin = context("pin")
+    adapter.prepare_load([resident], pin)
+    misses.clear()
+    touches.clear()
+    ctx = context("failed-store")
+    for _ in range(3):  # vLLM retries a refused store every step
+        assert adapter.prepare_store([candidate, resident], ctx) is None
+    assert misses == [[candidate]]
+    adapter.on_request_finished(ctx)
+    assert touches[-1] == [candidate, resident]  # the request's accesses, head first
+    adapter.complete_load([resident], pin)
