@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from kvoffload.integrations.sglang import KvoffloadHiCacheStorage
+from kvoffload_spec.errors import InvalidArgumentError
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 8, 4
 
@@ -112,3 +113,43 @@ def test_full_of_nothing_evictable_refuses_and_clear_empties() -> None:
     assert storage.exists("a")
     storage.clear()
     assert storage.batch_exists(["a"]) == 0
+
+
+def test_zero_copy_set_and_get_by_host_pool_address() -> None:
+    """SGLang's Mooncake backend calls ``set(key, target_location=<address>,
+    target_sizes=<bytes>)`` (and ``get`` alike): an untyped AttributeError before issue 27.
+    The pages are copied byte-exact; an address outside the registered host pool, or a
+    size other than a page's, is a typed error with nothing read or written."""
+    storage, host = backend(num_pages=4)
+    assert isinstance(storage, KvoffloadHiCacheStorage)
+    torch.manual_seed(1)
+    host.kv_buffer.copy_(torch.randn_like(host.kv_buffer))
+    flat = host.kv_buffer.view(-1).view(torch.uint8)
+    page_bytes = host.get_data_page(0).numel() * host.kv_buffer.element_size()
+    first, second = flat[:page_bytes], flat[page_bytes : 2 * page_bytes]
+    original = first.clone()
+    assert storage.set("a", target_location=first.data_ptr(), target_sizes=page_bytes)
+    assert storage.exists("a")
+    second.zero_()
+    assert storage.get("a", target_location=second.data_ptr(), target_sizes=page_bytes) is True
+    assert torch.equal(second, original)
+    assert storage.get("b", target_location=second.data_ptr(), target_sizes=page_bytes) is False
+    locations = [flat[i * page_bytes :].data_ptr() for i in (2, 3)]
+    assert storage.batch_set(["c", "d"], target_locations=locations, target_sizes=[page_bytes] * 2)
+    assert (
+        storage.batch_get(
+            ["c", "d", "x"], [locations[1], locations[0], locations[0]], [page_bytes] * 3
+        )
+        == 2
+    )
+    outside = torch.zeros(page_bytes, dtype=torch.uint8)
+    before = storage.manager.stats()
+    with pytest.raises(InvalidArgumentError, match="not inside the registered host pool"):
+        storage.set("e", target_location=outside.data_ptr(), target_sizes=page_bytes)
+    with pytest.raises(InvalidArgumentError, match="whole pages"):
+        storage.set("e", target_location=first.data_ptr(), target_sizes=page_bytes // 2)
+    with pytest.raises(InvalidArgumentError, match="address"):
+        storage.set("e", target_location="0x10", target_sizes=page_bytes)
+    assert storage.manager.stats() == before
+    assert not storage.exists("e")
+    storage.manager.check_invariants()

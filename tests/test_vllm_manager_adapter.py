@@ -225,10 +225,10 @@ def test_lookup_states_and_a_failed_store() -> None:
 
 def test_stored_blocks_of_the_call_are_not_evicted_and_none_when_full_or_pinned() -> None:
     manager = KvoffloadManager(3, "lru", enable_events=True)
-    ctx = ReqContext("r")
+    ctx = context("r", [key(name) for name in "abcde"])
     a, b, c = stored(manager, "abc", ctx)
-    # The request's blocks rank in prefix order, tail least recent. Re-offering the tail c
-    # with a new d: c is protected, so b goes.
+    # The request's blocks rank in prefix order (by token position), tail least recent.
+    # Re-offering the tail c with a new d: c is protected, so b goes.
     out = manager.prepare_store([c, key("d")], ctx)
     assert out is not None and out.keys_to_store == [key("d")] and out.evicted_keys == [b]
     manager.complete_store(out.keys_to_store, ctx)

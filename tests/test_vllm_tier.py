@@ -13,15 +13,19 @@ tier's chunks where vLLM's worker would. Two managers are two engines sharing on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
 import uuid
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 import torch
 import valkey
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
@@ -29,6 +33,7 @@ from vllm.config import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -358,3 +363,53 @@ def test_a_reset_during_a_stalled_transfer_waits_for_it_and_then_goes_on(
     context, answers = reader.look_up(keys)
     assert answers == [LookupResult.HIT] * 3 and reader.load(keys, context) == chunks
     reader.finish(context)
+
+
+def test_the_tiers_counters_reach_vllms_metrics_endpoint(
+    engines: list[Engine], vllm_config: VllmConfig
+) -> None:
+    """kvoffload's remote counters, per connection, through vLLM's tiering manager's
+    stats and vLLM's own ``OffloadPromMetrics`` (which refuses an undeclared metric)."""
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    engine = Engine(vllm_config, tier_options(url))
+    engines.append(engine)
+    engine.store(keys_for("down", 4), chunk_values(engine, 4, seed=2))
+    context, _ = engine.look_up(keys_for("never", 3))
+    engine.finish(context)
+    registry = CollectorRegistry()
+    kinds = {
+        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
+    }
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=engine.spec.extra_config)
+    )
+    frontend = OffloadPromMetrics(config, kinds, ["engine"], {0: ["0"]})
+    for _ in range(2):  # the second step reports no increase again
+        stats = engine.manager.get_stats()
+        assert stats is not None
+        frontend.observe(stats.data)
+    served = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+    tier = engine.tier.tier_type
+    counts = engine.tier.stats()
+
+    def value(name: str, connection: str, **labels: str) -> float:
+        every = {"engine": "0", "tier": tier, "connection": connection, **labels}
+        return served[(name, tuple(sorted(every.items())))]
+
+    assert value("kvoffload_remote_puts_total", "transfers", result="not_stored") == 4
+    assert value("kvoffload_remote_failures_total", "transfers", kind="connection") == (
+        counts.transfers.connection_errors
+    )
+    assert (
+        value("kvoffload_remote_failures_total", "lookups", kind="connection")
+        == (counts.lookups.connection_errors)
+        >= 1
+    )
+    assert value("kvoffload_remote_calls_total", "lookups", op="contains") == (
+        counts.lookups.contains_calls
+    )
+    assert value("kvoffload_remote_server_down", "transfers") in (0.0, 1.0)

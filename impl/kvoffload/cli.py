@@ -181,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --remote: write each block the CPU pool evicts (write-back), or each "
         "block once stored (write-through) (default: %(default)s)",
     )
+    simulate.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="N",
+        help="serve kvoffload's metrics (Prometheus text format) on "
+        "http://127.0.0.1:N/metrics while the replay runs (needs prometheus_client: "
+        "pip install 'kvoffload[metrics]')",
+    )
     _add_json_argument(simulate)
     simulate.set_defaults(command=_run_simulate, command_name="simulate")
 
@@ -344,6 +353,12 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
+    return int(text)
+
+
 # -- the commands ---------------------------------------------------------------------------
 
 
@@ -361,6 +376,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     )
     from kvoffload.policies.base import PolicyContractError
 
+    if args.metrics_port is not None:
+        where = f"http://127.0.0.1:{args.metrics_port}/metrics"
+        print(f"kvoffload simulate: metrics on {where} while it runs", file=sys.stderr)
     if args.remote is not None or args.instances > 1:
         return _run_simulate_shared(args, trace, config)
     console = _console(stderr=True)
@@ -372,9 +390,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 config,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
                 on_start=_announce_memory,
+                metrics_port=args.metrics_port,
             )
     except PolicyContractError as error:  # a bug in the user's policy, said in one line
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
+    except ImportError as error:  # --metrics-port without prometheus_client
+        return _fail(args, str(error))
     if args.json:
         _print_json(report.to_json())
     else:
@@ -545,6 +566,7 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
                 remote_mode=args.remote_mode,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
                 on_start=_announce_memory,
+                metrics_port=args.metrics_port,
             )
     except PolicyContractError as error:
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")

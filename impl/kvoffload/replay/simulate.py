@@ -135,10 +135,11 @@ def simulate(
     config: SimulationConfig,
     on_request: ProgressHook | None = None,
     on_start: Callable[[MemoryPlan], None] | None = None,
+    metrics_port: int | None = None,
 ) -> SimulationReport:
     """Replay ``trace`` (see the module docstring); bad sizes raise before any allocation.
     ``on_start(plan)`` is called once the arguments are checked, before anything is
-    allocated."""
+    allocated; ``metrics_port``: serve kvoffload's metrics on it while the replay runs."""
     requests = _check(trace, config)
     from kvoffload.manager import OffloadManager
     from kvoffload.policies.loading import resolve_policy
@@ -151,11 +152,13 @@ def simulate(
     manager = TimedManager(OffloadManager(config.cpu_blocks, policy))
     engine = _Engine(trace.name, config, manager, device)
     started = time.perf_counter()
-    with _one_cpu_thread():
+    with _one_cpu_thread(), _serving(metrics_port, [engine]) as refresh:
         for done, request in enumerate(requests, start=1):
             engine.serve(request)
-            if on_request is not None and (done % 64 == 0 or done == len(requests)):
-                on_request(done, len(requests))
+            if done % 64 == 0 or done == len(requests):
+                refresh()
+                if on_request is not None:
+                    on_request(done, len(requests))
     return engine.finish(time.perf_counter() - started)
 
 
@@ -168,6 +171,7 @@ def simulate_shared(
     remote_mode: RemoteMode = "write-back",
     on_request: ProgressHook | None = None,
     on_start: Callable[[MemoryPlan], None] | None = None,
+    metrics_port: int | None = None,
 ) -> SharedSimulationReport:
     """``instances`` engines, request ``i`` of ``trace`` served by engine ``i mod instances``,
     each with the sizes of ``config`` and, with ``remote_url``, all writing back to and
@@ -212,17 +216,33 @@ def simulate_shared(
         for i in range(instances)
     ]
     started = time.perf_counter()
-    with _one_cpu_thread():
+    with _one_cpu_thread(), _serving(metrics_port, engines) as refresh:
         for done, request in enumerate(requests, start=1):
             engines[(done - 1) % instances].serve(request)
-            if on_request is not None and (done % 64 == 0 or done == len(requests)):
-                on_request(done, len(requests))
+            if done % 64 == 0 or done == len(requests):
+                refresh()
+                if on_request is not None:
+                    on_request(done, len(requests))
     wall = time.perf_counter() - started
     reports = [engine.finish(wall) for engine in engines]
     for store in stores:
         store.close()
     first_uses = len({block for request in requests for block in request})
     return SharedSimulationReport(trace.name, remote_url, reports, wall, first_uses)
+
+
+@contextmanager
+def _serving(port: int | None, engines: Sequence[_Engine]) -> Iterator[Callable[[], None]]:
+    """kvoffload's metrics of ``engines`` on ``port`` (labelled ``instance`` 0, 1, ...)
+    while the replay runs; yields what reads them anew (in the replay's thread)."""
+    if port is None:
+        yield lambda: None
+        return
+    from kvoffload.metrics import MetricsExporter
+
+    with MetricsExporter({str(i): e.offloader for i, e in enumerate(engines)}) as exporter:
+        exporter.serve(port)
+        yield exporter.refresh
 
 
 @contextmanager
