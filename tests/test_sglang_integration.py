@@ -10,6 +10,8 @@ does not install.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -19,6 +21,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from kvoffload.integrations.sglang import KvoffloadHiCacheStorage
+from tests.planted import PARTLY_PRESENT, Planted, PlantedAdapter, share
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 8, 4
 
@@ -38,11 +41,16 @@ class LayerFirstHostPool:
         self.kv_buffer[:, :, index : index + PAGE] = data_page.reshape(2, LAYERS, PAGE, HEADS, DIM)
 
 
-def backend(num_pages: int, policy: str = "lru") -> tuple[HiCacheStorage, LayerFirstHostPool]:
+def backend(
+    num_pages: int,
+    policy: str = "lru",
+    module_path: str = "kvoffload.integrations.sglang",
+    class_name: str = "KvoffloadHiCacheStorage",
+) -> tuple[HiCacheStorage, LayerFirstHostPool]:
     extra = {
         "backend_name": "kvoffload",
-        "module_path": "kvoffload.integrations.sglang",
-        "class_name": "KvoffloadHiCacheStorage",
+        "module_path": module_path,
+        "class_name": class_name,
         "interface_v1": 1,
         "num_pages": num_pages,
         "eviction_policy": policy,
@@ -112,3 +120,94 @@ def test_full_of_nothing_evictable_refuses_and_clear_empties() -> None:
     assert storage.exists("a")
     storage.clear()
     assert storage.batch_exists(["a"]) == 0
+
+
+# -- batch sets whose keys are partly stored already ---------------------------------------
+
+KEYS = ("k0", "k1", "k2", "k3")
+FILLER = "filler"  # stored first: the one page a batch set may evict
+
+
+def page_of(key: str) -> torch.Tensor:
+    """The page stored under ``key`` (SGLang's keys name their pages' content)."""
+    generator = torch.Generator().manual_seed(sum(key.encode()) * 31 + len(key))
+    return torch.randn(2, LAYERS, PAGE, HEADS, DIM, generator=generator)
+
+
+def set_pages(
+    storage: HiCacheStorage, host: LayerFirstHostPool, keys: list[str], way: str
+) -> list[bool]:
+    """Set ``keys`` with their own pages: from host pages (v1), or as tensors."""
+    if way == "tensors":
+        return [storage.batch_set(keys, [page_of(key).flatten() for key in keys])] * len(keys)
+    for slot, key in enumerate(keys):
+        host.kv_buffer[:, :, slot * PAGE : (slot + 1) * PAGE] = page_of(key)
+    stored: list[bool] = storage.batch_set_v1(keys, pages(0, len(keys)))
+    return stored
+
+
+def read_back(storage: HiCacheStorage, host: LayerFirstHostPool, keys: list[str]) -> list[str]:
+    """The keys whose page reads back other bytes, by both get paths."""
+    wrong = []
+    host.kv_buffer.zero_()
+    first = 16 - len(keys)
+    assert storage.batch_get_v1(keys, pages(first, len(keys))) == [True] * len(keys)
+    as_tensors = storage.batch_get(keys)
+    assert isinstance(as_tensors, list)
+    for i, key in enumerate(keys):
+        expected = page_of(key)
+        slot = first + i
+        read = host.kv_buffer[:, :, slot * PAGE : (slot + 1) * PAGE]
+        tensor = as_tensors[i]
+        if (
+            not torch.equal(read, expected)
+            or tensor is None
+            or not torch.equal(tensor.reshape(expected.shape), expected)
+        ):
+            wrong.append(key)
+    return wrong
+
+
+def partly_present_problems(**factory: str) -> list[str]:
+    """Every subset of ``KEYS`` stored first, then a batch set of them all (in order and
+    reversed, from host pages and as tensors) into a pool with room for the new ones only by
+    evicting ``FILLER``: each key must read back its own page."""
+    problems = []
+    subsets = itertools.chain.from_iterable(
+        itertools.combinations(KEYS, size) for size in range(len(KEYS) + 1)
+    )
+    for present in subsets:
+        for order in (list(KEYS), list(reversed(KEYS))):
+            for way in ("host pages", "tensors"):
+                storage, host = backend(num_pages=len(KEYS), **factory)
+                assert set_pages(storage, host, [FILLER], way) == [True]
+                if present:
+                    assert set_pages(storage, host, list(present), way) == [True] * len(present)
+                case = f"{list(present)} stored, then {order} from {way}"
+                if set_pages(storage, host, order, way) != [True] * len(KEYS):
+                    problems.append(f"{case}: not all stored")
+                    continue
+                assert storage.batch_exists([FILLER]) == 0  # the one victim
+                problems += [
+                    f"{case}: {key} reads another page" for key in read_back(storage, host, order)
+                ]
+    return problems
+
+
+def test_a_batch_set_of_partly_stored_keys_stores_each_page_under_its_own_key() -> None:
+    assert partly_present_problems() == []
+
+
+SGLANG_SHARE = [
+    bug
+    for bug in share(PARTLY_PRESENT)
+    if isinstance(bug.subject, PlantedAdapter) and bug.subject.engine == "sglang"
+]
+
+
+@pytest.mark.parametrize("entry", SGLANG_SHARE, ids=lambda bug: bug.name)
+def test_the_partly_present_checks_find_their_share_of_the_catalogue(entry: Planted) -> None:
+    adapter = entry.subject
+    assert isinstance(adapter, PlantedAdapter)
+    problems = partly_present_problems(module_path=adapter.module, class_name=adapter.class_name)
+    assert any("reads another page" in problem for problem in problems), problems
