@@ -11,6 +11,7 @@ does not install.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from kvoffload.integrations.sglang import KvoffloadHiCacheStorage
+from kvoffload_spec.errors import InvalidArgumentError
 from tests.planted import PARTLY_PRESENT, Planted, PlantedAdapter, share
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 8, 4
@@ -211,3 +213,40 @@ def test_the_partly_present_checks_find_their_share_of_the_catalogue(entry: Plan
     assert isinstance(adapter, PlantedAdapter)
     problems = partly_present_problems(module_path=adapter.module, class_name=adapter.class_name)
     assert any("reads another page" in problem for problem in problems), problems
+
+
+# -- pages of another size ------------------------------------------------------------------
+
+
+def test_a_page_or_target_of_another_size_raises_before_anything_changes() -> None:
+    """A page shorter or longer than the pool's, a one-byte page (which ``copy_`` would
+    broadcast over a whole page), a target of another size or dtype, host indices not one
+    page's worth per key: each is refused with a typed error, nothing evicted, nothing
+    copied."""
+    storage, host = backend(num_pages=2)
+    assert isinstance(storage, KvoffloadHiCacheStorage)
+    assert storage.batch_set(["a", "b"], [page_of("a").flatten(), page_of("b").flatten()])
+    page = page_of("c").flatten()
+    target = torch.zeros_like(page)
+    bad: dict[str, Callable[[], object]] = {
+        "a page one element short": lambda: storage.batch_set(["c"], [page[:-1]]),
+        "a page one element long": lambda: storage.batch_set(["c"], [torch.cat([page, page[:1]])]),
+        "a one-byte page": lambda: storage.batch_set(["c"], [torch.ones(1, dtype=torch.uint8)]),
+        "no tensor": lambda: storage.batch_set(["c"], [page.tolist()]),
+        "fewer pages than keys": lambda: storage.batch_set(["c", "d"], [page]),
+        "a target twice a page": lambda: storage.batch_get(["a"], [torch.zeros(2, len(page))]),
+        "a target one element short": lambda: storage.batch_get(["a"], [target[:-1]]),
+        "a target of another dtype": lambda: storage.batch_get(["a"], [target.double()[::2]]),
+        "fewer targets than keys": lambda: storage.batch_get(["a", "b"], [target]),
+        "v1 set, host indices short": lambda: storage.batch_set_v1(["c"], pages(2, 1)[:-1]),
+        "v1 get, host indices long": lambda: storage.batch_get_v1(["a"], pages(2, 2)),
+    }
+    host_before, stats_before = host.kv_buffer.clone(), storage.manager.stats()
+    for name, call in bad.items():
+        with pytest.raises(InvalidArgumentError):
+            call()
+        assert storage.manager.stats() == stats_before, name
+        assert torch.equal(host.kv_buffer, host_before), name
+        assert not target.any(), name
+    assert storage.batch_exists(["a", "b"]) == 2 and storage.batch_exists(["c"]) == 0
+    assert read_back(storage, host, ["a", "b"]) == []
