@@ -27,6 +27,7 @@ from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key, Lookup, StorePlan
 from tests.remote_support import (
     BLOCK_BYTES,
+    POISON,
     Engine,
     assert_accounted,
     content,
@@ -164,6 +165,32 @@ def test_without_remote_nothing_changes() -> None:
     assert engine.offloader.remote_stats() is None
     assert engine.check_ready_bytes(range(4)) == [2, 3]
     engine.close()
+
+
+def test_a_fetch_of_a_value_of_another_size_misses_and_leaves_the_block_untouched(
+    valkey_server: ValkeyServer, engines: list[Engine]
+) -> None:
+    """Valid values one byte shorter or longer than a CPU block, empty, or twice its size
+    (another layout's, under this namespace), fetched in one job with a value of the right
+    size: that one hits, each other misses, and its CPU block keeps the poison it held."""
+    engine = Engine(make_store(valkey_server.url), cpu_blocks=5)
+    engines.append(engine)
+    sizes = {1: BLOCK_BYTES - 1, 2: BLOCK_BYTES + 1, 3: 0, 4: 2 * BLOCK_BYTES, 5: BLOCK_BYTES}
+    values = [random.Random(key).randbytes(size) for key, size in sizes.items()]
+    assert make_store(valkey_server.url).put(list(sizes), values) == [True] * len(sizes)
+    plans = engine.offloader.fetch(list(sizes))
+    engine.settle()
+    fetched = {f.plan.keys[0]: f.ok for f in engine.reported if f.fetched}
+    assert fetched == {1: False, 2: False, 3: False, 4: False, 5: True}
+    pool = engine.offloader.engine.pool.tensor
+    for plan in plans:
+        if plan.keys[0] != 5:
+            assert bool((pool[plan.block_ids[0]] == POISON).all()), plan
+    assert engine.check_ready_bytes(list(sizes)) == [5]
+    stats = engine.stats()
+    assert stats.fetch_misses == 4 and stats.store is not None
+    assert stats.store.rejected_length == 4
+    assert_accounted(stats.store)
 
 
 # -- faults ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ docs/integrations.md), so that mode checks the adapter's own invariants only.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -311,3 +312,34 @@ def test_interleaved_requests_keep_every_invariant(capsys: pytest.CaptureFixture
             ours.manager.check_invariants()
     with capsys.disabled():
         print(f"\ninterleaved requests: {differences} of {compared} stores differ from vLLM")
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_store_completed_in_parts_is_readable_only_if_every_part_succeeded(
+    policy: str,
+) -> None:
+    """A plan of four keys completed by keys in two or more calls, in every split and
+    order, each call succeeding or failing: a key whose completion said failure is never
+    readable (its block holds what no copy wrote). vLLM's own manager marks each key by its
+    own call; ours completes the plan as a whole, so it fails the whole plan."""
+    names = "abcd"
+    for cuts in itertools.product((False, True), repeat=len(names) - 1):
+        parts: list[list[str]] = [[names[0]]]
+        for name, cut in zip(names[1:], cuts, strict=True):
+            if cut:
+                parts.append([name])
+            else:
+                parts[-1].append(name)
+        for order in itertools.permutations(range(len(parts))):
+            for outcome in itertools.product((True, False), repeat=len(parts)):
+                ours = KvoffloadManager(4, policy)
+                ctx = ReqContext("r")
+                keys = [key(name) for name in names]
+                out = ours.prepare_store(keys, ctx)
+                assert out is not None and out.keys_to_store == keys
+                for part, success in zip((parts[i] for i in order), outcome, strict=True):
+                    ours.complete_store([key(name) for name in part], ctx, success)
+                readable = [ours.lookup(k, ctx) is LookupResult.HIT for k in keys]
+                assert readable == [all(outcome)] * len(keys), (parts, order, outcome)
+                ours.manager.check_invariants()
+                assert ours.manager.stats().free == (0 if all(outcome) else 4)
