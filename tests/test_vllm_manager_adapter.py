@@ -343,3 +343,26 @@ def test_a_store_completed_in_parts_is_readable_only_if_every_part_succeeded(
                 assert readable == [all(outcome)] * len(keys), (parts, order, outcome)
                 ours.manager.check_invariants()
                 assert ours.manager.stats().free == (0 if all(outcome) else 4)
+
+
+def test_a_reset_between_the_parts_of_a_store_keeps_all_its_block_ids_out_of_use() -> None:
+    """A store plan with some keys completed and some not when vLLM resets: the job may
+    still write every block id of the plan (vLLM never completes it now), so none is handed
+    out before ``on_reset_flushed``, and a late completion of its other keys changes
+    nothing."""
+    for done in range(1, 3):
+        manager = KvoffloadManager(3, "lru")
+        ctx = ReqContext("r")
+        keys = [key(name) for name in "abc"]
+        old = manager.prepare_store(keys, ctx)
+        assert old is not None
+        manager.complete_store(keys[:done], ctx)
+        manager.reset_cache()
+        assert manager.prepare_store([key("d")], ctx) is None  # all three quarantined
+        manager.complete_store(keys[done:], ctx)  # a pre-reset job: nothing changes
+        assert manager.prepare_store([key("d")], ctx) is None
+        assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 3
+        manager.on_reset_flushed()
+        new = manager.prepare_store([key(name) for name in "def"], ctx)
+        assert new is not None and sorted(new.store_spec.block_ids.tolist()) == [0, 1, 2]
+        manager.manager.check_invariants()
