@@ -5,12 +5,9 @@ rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from kvoffload.replay.config import SimulationConfig
 from kvoffload.replay.timing import Latency
-
-if TYPE_CHECKING:
-    from kvoffload.replay.simulate import SimulationConfig
 
 
 @dataclass

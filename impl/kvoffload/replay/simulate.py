@@ -29,10 +29,11 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvoffload.replay.belady import belady_hits
+from kvoffload.replay.config import SimulationConfig
 from kvoffload.replay.device_cache import DevicePrefixCache
 from kvoffload.replay.report import (
     RemoteTally,
@@ -42,7 +43,6 @@ from kvoffload.replay.report import (
 )
 from kvoffload.replay.timing import Latency, TimedManager
 from kvoffload.replay.traces import BlockId, Request, Trace
-from kvoffload_spec.defaults import DEFAULT_POLICY
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key, Lookup, StorePlan
 from kvoffload_spec.validation import check_count
@@ -67,17 +67,6 @@ if TYPE_CHECKING:
 
     from kvoffload.offloader import Finished, Offloader, RemoteMode
     from kvoffload.tiers import RemoteStore
-
-
-@dataclass(frozen=True)
-class SimulationConfig:
-    """The engine's sizes. ``max_requests`` replays only the first requests of the trace."""
-
-    gpu_blocks: int = 1024
-    cpu_blocks: int = 4096
-    policy: str = DEFAULT_POLICY
-    block_bytes: int = 4096
-    max_requests: int | None = None
 
 
 # -- block content -----------------------------------------------------------------------------
