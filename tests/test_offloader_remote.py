@@ -133,6 +133,27 @@ def test_fetch_skips_resident_keys_and_bad_arguments_change_nothing(
         Engine(None).offloader.fetch([1])
 
 
+def test_a_key_pending_here_is_skipped_and_another_offloaders_plan_refused(
+    valkey_server: ValkeyServer, engines: list[Engine]
+) -> None:
+    """A key pending here (its fetch not reported yet) is skipped like a resident one; a
+    plan of another offloader, even one of the same plan id, is refused by ``wait`` and
+    ``abandon`` with a typed error, not taken for this one's."""
+    ours, theirs = Engine(make_store(valkey_server.url)), Engine(make_store(valkey_server.url))
+    engines += [ours, theirs]
+    (plan,) = ours.offloader.fetch([7])
+    assert ours.offloader.fetch([7]) == [] and ours.stats().fetch_skipped == 1
+    (foreign,) = theirs.offloader.fetch([8])
+    assert foreign.plan_id == plan.plan_id and foreign != plan
+    with pytest.raises(InvalidArgumentError):
+        ours.offloader.wait([foreign], timeout=1)
+    with pytest.raises(InvalidArgumentError):
+        ours.offloader.abandon(foreign)
+    for engine in (ours, theirs):
+        engine.settle()
+        assert engine.offloader.num_in_flight == 0
+
+
 @pytest.mark.parametrize(
     "options",
     [{"remote": "redis://x"}, {"remote_mode": "write-around"}, {"remote_max_pending": 0}],

@@ -250,3 +250,36 @@ def test_a_page_or_target_of_another_size_raises_before_anything_changes() -> No
         assert not target.any(), name
     assert storage.batch_exists(["a", "b"]) == 2 and storage.batch_exists(["c"]) == 0
     assert read_back(storage, host, ["a", "b"]) == []
+
+
+class CopyFailsAt(KvoffloadHiCacheStorage):
+    """The real back end whose copy into the pool raises at the ``fail_at``-th page (a
+    fault injected into kvoffload's side of the copy; SGLang's code is untouched)."""
+
+    fail_at: int | None = None
+
+    def _pool_page(self, block_id: int) -> torch.Tensor:
+        if self.fail_at is not None:
+            self.fail_at -= 1
+            if self.fail_at == 0:
+                raise RuntimeError("the copy failed")
+        return super()._pool_page(block_id)
+
+
+@pytest.mark.parametrize("way", ["host pages", "tensors"])
+def test_a_batch_set_whose_copy_fails_half_way_stores_none_of_its_keys(way: str) -> None:
+    """The first page copied, the second's copy raising: the error reaches SGLang, no key
+    of the batch is readable (the first one's page was written, the plan is not), what
+    was stored before still is, and the same batch set again stores both."""
+    storage, host = backend(3, module_path=__name__, class_name="CopyFailsAt")
+    assert isinstance(storage, CopyFailsAt)
+    assert set_pages(storage, host, ["a"], way) == [True]
+    storage.fail_at = 2
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        set_pages(storage, host, ["b", "c"], way)
+    assert storage.batch_exists(["b"]) == 0 and not storage.exists("c")
+    assert storage.manager.stats().free == 2
+    storage.manager.check_invariants()
+    assert read_back(storage, host, ["a"]) == []
+    assert set_pages(storage, host, ["b", "c"], way) == [True, True]
+    assert read_back(storage, host, ["a", "b", "c"]) == []

@@ -9,6 +9,7 @@ docs/integrations.md), so that mode checks the adapter's own invariants only.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import random
 from collections.abc import Iterable
@@ -26,6 +27,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvoffload.integrations.vllm import KvoffloadManager
 from kvoffload.policies import BUILTIN_POLICIES
+from tests.planted import PARTLY_PRESENT, Planted, PlantedAdapter, share
 
 
 def test_the_adapter_takes_its_defaults_from_the_one_place() -> None:
@@ -366,3 +368,73 @@ def test_a_reset_between_the_parts_of_a_store_keeps_all_its_block_ids_out_of_use
         new = manager.prepare_store([key(name) for name in "def"], ctx)
         assert new is not None and sorted(new.store_spec.block_ids.tolist()) == [0, 1, 2]
         manager.manager.check_invariants()
+
+
+# -- stores of keys partly stored already ---------------------------------------------------
+
+
+def partly_present_problems(adapter: type[KvoffloadManager] = KvoffloadManager) -> list[str]:
+    """Every subset of four keys stored first, then a store offering all four (in order and
+    reversed): the keys to store are vLLM's own manager's, in its order, and each is paired
+    with the CPU block it loads from afterwards (vLLM copies ``keys_to_store[i]`` into
+    ``store_spec.block_ids[i]``)."""
+    problems = []
+    names = "abcd"
+    subsets = itertools.chain.from_iterable(
+        itertools.combinations(names, size) for size in range(len(names) + 1)
+    )
+    for present in subsets:
+        for order in (names, names[::-1]):
+            ours, theirs = adapter(len(names), "lru"), CPUOffloadingManager(len(names), "lru")
+            block_of: dict[OffloadKey, int] = {}
+            case = f"{list(present)} stored, then {list(order)} offered"
+            for offer in ([key(name) for name in present], [key(name) for name in order]):
+                ctx, ctx_theirs = ReqContext("r"), ReqContext("r")
+                out, out_theirs = (
+                    ours.prepare_store(offer, ctx),
+                    theirs.prepare_store(offer, ctx_theirs),
+                )
+                assert out is not None and out_theirs is not None, case
+                expected = list(out_theirs.keys_to_store)
+                if list(out.keys_to_store) != expected:
+                    problems.append(f"{case}: stores {out.keys_to_store}, vLLM's {expected}")
+                block_ids = out.store_spec.block_ids.tolist()
+                block_of.update(zip(out.keys_to_store, block_ids, strict=True))
+                ours.complete_store(out.keys_to_store, ctx)
+                theirs.complete_store(out_theirs.keys_to_store, ctx_theirs)
+            for name in names:
+                k = key(name)
+                if ours.lookup(k, ctx) is not LookupResult.HIT:
+                    problems.append(f"{case}: {name} not stored")
+                    continue
+                loaded = ours.prepare_load([k], ctx).block_ids.tolist()
+                ours.complete_load([k], ctx)
+                if loaded != [block_of.get(k)]:
+                    problems.append(
+                        f"{case}: {name} loads from block {loaded}, stored in {block_of.get(k)}"
+                    )
+            left_open = ours.manager.abstract_state().open_plans  # a store of nothing new too
+            if left_open:
+                problems.append(f"{case}: plans left open {left_open}")
+            ours.manager.check_invariants()
+    return problems
+
+
+def test_a_store_of_partly_stored_keys_pairs_each_key_with_its_own_block() -> None:
+    assert partly_present_problems() == []
+
+
+VLLM_SHARE = [
+    bug
+    for bug in share(PARTLY_PRESENT)
+    if isinstance(bug.subject, PlantedAdapter) and bug.subject.engine == "vllm"
+]
+
+
+@pytest.mark.parametrize("entry", VLLM_SHARE, ids=lambda bug: bug.name)
+def test_the_partly_present_checks_find_their_share_of_the_catalogue(entry: Planted) -> None:
+    planted = entry.subject
+    assert isinstance(planted, PlantedAdapter)
+    adapter = getattr(importlib.import_module(planted.module), planted.class_name)
+    assert issubclass(adapter, KvoffloadManager)
+    assert partly_present_problems(adapter), f"{entry.name}: not found"

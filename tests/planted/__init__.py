@@ -317,6 +317,28 @@ _ADAPTERS = (
         PlantedAdapter("sglang", "tests.planted.adapters", "PairsTheCallsKeysWithThePlansBlocks"),
         frozenset({PARTLY_PRESENT}),
     ),
+    Planted(
+        "sglang: a batch set takes the stored keys for a prefix",
+        "A batch set takes the plan's pages from the end of the call, as if the keys stored "
+        "already were a prefix: where they are not, a new key's block gets another's page.",
+        PlantedAdapter("sglang", "tests.planted.adapters", "AssumesTheStoredKeysAreAPrefix"),
+        frozenset({PARTLY_PRESENT}),
+    ),
+    Planted(
+        "sglang: a batch set from host pages gathers the first pages for the new keys",
+        "batch_set_v1 sends only the keys not stored yet, each with one of the first host "
+        "pages instead of its own: the pages of the keys before it are stored.",
+        PlantedAdapter("sglang", "tests.planted.adapters", "GathersTheFirstHostPagesForTheNewKeys"),
+        frozenset({PARTLY_PRESENT}),
+    ),
+    Planted(
+        "vllm: prepare_store names the last offered keys as the keys to store",
+        "prepare_store names the last offered keys, as many as the plan stores, as the keys "
+        "to store: where the stored ones are not a prefix of the offer, vLLM copies one "
+        "key's block into another's CPU block.",
+        PlantedAdapter("vllm", "tests.planted.vllm_adapter", "NamesTheLastOfferedKeysAsStored"),
+        frozenset({PARTLY_PRESENT}),
+    ),
 )
 
 _PLANNERS = tuple(

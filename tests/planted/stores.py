@@ -55,6 +55,24 @@ class CopiesALongerPayloadsPrefix(ValkeyStore):
         return done
 
 
+class SizesABatchByItsFirstBuffer(ValkeyStore):
+    """get_into compares every value with the batch's first buffer (a pool's buffers are
+    all one size): in a batch of buffers of several sizes, a value of the first one's size
+    is copied, cut or short, into a buffer of another and reported done."""
+
+    def get_into(self, keys: Sequence[Hashable], buffers: Sequence[WritableBuffer]) -> list[bool]:
+        found = self.get(keys)
+        targets = _targets(buffers, len(found))
+        done = []
+        for value, target in zip(found, targets, strict=True):
+            fits = value is not None and value.nbytes == targets[0].nbytes
+            if value is not None and fits:
+                size = min(value.nbytes, target.nbytes)
+                target[:size] = value[:size]
+            done.append(fits)
+        return done
+
+
 @dataclass(frozen=True)
 class PlantedStore:
     """A broken store class, and the checks of tests/store_contract.py's ``CONTRACT`` that
@@ -72,4 +90,5 @@ SIZE_CHECKS = (
 PLANTED_STORES = (
     PlantedStore(CopiesAShorterPayload, SIZE_CHECKS),
     PlantedStore(CopiesALongerPayloadsPrefix, SIZE_CHECKS),
+    PlantedStore(SizesABatchByItsFirstBuffer, SIZE_CHECKS),
 )
