@@ -438,3 +438,31 @@ def test_the_partly_present_checks_find_their_share_of_the_catalogue(entry: Plan
     adapter = getattr(importlib.import_module(planted.module), planted.class_name)
     assert issubclass(adapter, KvoffloadManager)
     assert partly_present_problems(adapter), f"{entry.name}: not found"
+
+
+def test_the_adapter_keeps_nothing_of_jobs_that_ended() -> None:
+    """A server runs for ever: once every job completed (or a reset dropped it and vLLM
+    flushed), none of the adapter's per-job tables holds anything, whatever the jobs did
+    (loads of many key sets, a store failed in part, a reset between a store's parts)."""
+    ours = KvoffloadManager(8, "lru")
+    ctx = ReqContext("r")
+    a, b, c, d = (key(name) for name in "abcd")
+    assert ours.prepare_store([a, b], ctx) is not None
+    ours.complete_store([a, b], ctx)
+    for keys in ([a], [b], [a, b], [b, a], [a]):
+        ours.prepare_load(keys, ctx)
+        ours.complete_load(set(keys), ctx)
+    assert ours.prepare_store([c, d], ctx) is not None
+    ours.complete_store([c], ctx, success=False)
+    ours.reset_cache()  # d never completes: vLLM drops the job
+    ours.on_reset_flushed()
+    tables = {
+        "store plans": ours._store_plan_of,
+        "keys left": ours._store_left,
+        "failed plans": ours._store_failed,
+        "load plans": ours._load_plans,
+        "abandoned": ours._abandoned,
+    }
+    assert {name: table for name, table in tables.items() if table} == {}
+    assert not ours.manager.abstract_state().open_plans
+    ours.manager.check_invariants()
