@@ -22,6 +22,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from kvoffload.integrations.sglang import KvoffloadHiCacheStorage
+from kvoffload.policies.loading import resolve_policy
+from kvoffload_spec.defaults import (
+    DEFAULT_MAX_TRACKER_SIZE,
+    DEFAULT_POLICY,
+    DEFAULT_STORE_THRESHOLD,
+)
 from kvoffload_spec.errors import InvalidArgumentError
 from tests.planted import PARTLY_PRESENT, Planted, PlantedAdapter, share
 
@@ -44,20 +50,31 @@ class LayerFirstHostPool:
 
 
 def backend(
-    num_pages: int,
-    policy: str = "lru",
+    num_pages: int | None,
+    policy: str | None = "lru",
     module_path: str = "kvoffload.integrations.sglang",
     class_name: str = "KvoffloadHiCacheStorage",
+    **options: object,
 ) -> tuple[HiCacheStorage, LayerFirstHostPool]:
-    extra = {
+    """A back end made by SGLang's factory, registered with a host pool; ``num_pages`` and
+    ``policy`` None leave them out of the extra config, ``options`` go in as they are."""
+    extra: dict[str, object] = {
         "backend_name": "kvoffload",
         "module_path": module_path,
         "class_name": class_name,
         "interface_v1": 1,
-        "num_pages": num_pages,
-        "eviction_policy": policy,
+        **({} if num_pages is None else {"num_pages": num_pages}),
+        **({} if policy is None else {"eviction_policy": policy}),
+        **options,
     }
-    config = HiCacheStorageConfig(
+    host = LayerFirstHostPool(tokens=16 * PAGE)
+    storage = StorageBackendFactory.create_backend("dynamic", storage_config(extra), host)
+    storage.register_mem_pool_host(host)
+    return storage, host
+
+
+def storage_config(extra: dict[str, object]) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
         tp_rank=0,
         tp_size=1,
         pp_rank=0,
@@ -70,10 +87,6 @@ def backend(
         model_name="test",
         extra_config=extra,
     )
-    host = LayerFirstHostPool(tokens=16 * PAGE)
-    storage = StorageBackendFactory.create_backend("dynamic", config, host)
-    storage.register_mem_pool_host(host)
-    return storage, host
 
 
 def pages(first: int, count: int) -> torch.Tensor:
@@ -228,22 +241,56 @@ def test_a_page_or_target_of_another_size_raises_before_anything_changes() -> No
     assert storage.batch_set(["a", "b"], [page_of("a").flatten(), page_of("b").flatten()])
     page = page_of("c").flatten()
     target = torch.zeros_like(page)
-    bad: dict[str, Callable[[], object]] = {
-        "a page one element short": lambda: storage.batch_set(["c"], [page[:-1]]),
-        "a page one element long": lambda: storage.batch_set(["c"], [torch.cat([page, page[:1]])]),
-        "a one-byte page": lambda: storage.batch_set(["c"], [torch.ones(1, dtype=torch.uint8)]),
-        "no tensor": lambda: storage.batch_set(["c"], [page.tolist()]),
-        "fewer pages than keys": lambda: storage.batch_set(["c", "d"], [page]),
-        "a target twice a page": lambda: storage.batch_get(["a"], [torch.zeros(2, len(page))]),
-        "a target one element short": lambda: storage.batch_get(["a"], [target[:-1]]),
-        "a target of another dtype": lambda: storage.batch_get(["a"], [target.double()[::2]]),
-        "fewer targets than keys": lambda: storage.batch_get(["a", "b"], [target]),
-        "v1 set, host indices short": lambda: storage.batch_set_v1(["c"], pages(2, 1)[:-1]),
-        "v1 get, host indices long": lambda: storage.batch_get_v1(["a"], pages(2, 2)),
+    # Each refusal names what is wrong (matched as a regular expression).
+    bad: dict[str, tuple[str, Callable[[], object]]] = {
+        "a page one element short": (
+            "page #0 holds 1020 bytes; a page holds 1024",
+            lambda: storage.batch_set(["c"], [page[:-1]]),
+        ),
+        "a page one element long": (
+            "page #0 holds 1028 bytes",
+            lambda: storage.batch_set(["c"], [torch.cat([page, page[:1]])]),
+        ),
+        "a one-byte page": (
+            "page #0 holds 1 bytes",
+            lambda: storage.batch_set(["c"], [torch.ones(1, dtype=torch.uint8)]),
+        ),
+        "no tensor": (
+            "page #1 is a list, not a tensor",
+            lambda: storage.batch_set(["c", "d"], [page, page.tolist()]),
+        ),
+        "fewer pages than keys": (
+            "2 keys but 1 pages",
+            lambda: storage.batch_set(["c", "d"], [page]),
+        ),
+        "a target twice a page": (
+            "target location #0 holds 2048 bytes",
+            lambda: storage.batch_get(["a"], [torch.zeros(2, len(page))]),
+        ),
+        "a target one element short": (
+            "target location #0 holds 1020 bytes",
+            lambda: storage.batch_get(["a"], [target[:-1]]),
+        ),
+        "a target of another dtype": (
+            "target location #0 is torch.float64; pages are torch.float32",
+            lambda: storage.batch_get(["a"], [target.double()[::2]]),
+        ),
+        "fewer targets than keys": (
+            "2 keys but 1 target locations",
+            lambda: storage.batch_get(["a", "b"], [target]),
+        ),
+        "v1 set, host indices short": (
+            r"1 keys need 4 host indices \(4 per page\), got 3",
+            lambda: storage.batch_set_v1(["c"], pages(2, 1)[:-1]),
+        ),
+        "v1 get, host indices long": (
+            r"1 keys need 4 host indices \(4 per page\), got 8",
+            lambda: storage.batch_get_v1(["a"], pages(2, 2)),
+        ),
     }
     host_before, stats_before = host.kv_buffer.clone(), storage.manager.stats()
-    for name, call in bad.items():
-        with pytest.raises(InvalidArgumentError):
+    for name, (message, call) in bad.items():
+        with pytest.raises(InvalidArgumentError, match=message):
             call()
         assert storage.manager.stats() == stats_before, name
         assert torch.equal(host.kv_buffer, host_before), name
@@ -283,3 +330,72 @@ def test_a_batch_set_whose_copy_fails_half_way_stores_none_of_its_keys(way: str)
     assert read_back(storage, host, ["a"]) == []
     assert set_pages(storage, host, ["b", "c"], way) == [True, True]
     assert read_back(storage, host, ["a", "b", "c"]) == []
+
+
+# -- the extra config, the single-key calls, targets ---------------------------------------
+
+PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * DIM * 4  # float32
+
+
+def test_the_extra_config_sizes_the_pool_and_makes_the_manager() -> None:
+    storage, host = backend(None, None)  # the defaults: 4096 pages, the default policy
+    assert isinstance(storage, KvoffloadHiCacheStorage) and storage.mem_pool_host is host
+    assert storage.manager.num_blocks == 4096
+    assert type(storage.manager.policy) is resolve_policy(DEFAULT_POLICY)
+    state = storage.manager.abstract_state()
+    assert (state.store_threshold, state.max_tracker_size) == (
+        DEFAULT_STORE_THRESHOLD,
+        DEFAULT_MAX_TRACKER_SIZE,
+    )
+    storage, _ = backend(7, cpu_bytes_to_use=3 * PAGE_BYTES + PAGE_BYTES - 1)  # wins
+    assert isinstance(storage, KvoffloadHiCacheStorage) and storage.manager.num_blocks == 3
+    with pytest.raises(InvalidArgumentError, match=f"no page of {PAGE_BYTES} bytes"):
+        backend(None, cpu_bytes_to_use=PAGE_BYTES - 1)
+    storage, host = backend(4, "arc", store_threshold=2, max_tracker_size=7)
+    assert isinstance(storage, KvoffloadHiCacheStorage)
+    assert type(storage.manager.policy) is resolve_policy("arc")
+    assert storage.manager.abstract_state().max_tracker_size == 7
+    assert storage.batch_set_v1(["a"], pages(0, 1)) == [False]  # the first offer of two
+    assert storage.batch_set_v1(["a"], pages(0, 1)) == [True]
+
+
+def test_before_a_host_pool_is_registered_every_call_refuses() -> None:
+    storage = KvoffloadHiCacheStorage(storage_config({"num_pages": 2}))
+    assert storage.get_stats() is None
+    page = torch.zeros(PAGE_BYTES // 4)
+    calls: dict[str, Callable[[], object]] = {
+        "batch_exists": lambda: storage.batch_exists(["a"]),
+        "exists": lambda: storage.exists("a"),
+        "batch_set": lambda: storage.batch_set(["a"], [page]),
+        "batch_set_v1": lambda: storage.batch_set_v1(["a"], pages(0, 1)),
+        "batch_get_v1": lambda: storage.batch_get_v1(["a"], pages(0, 1)),
+        "batch_get": lambda: storage.batch_get(["a"]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidArgumentError, match="register_mem_pool_host must come first"):
+            call()
+        assert storage.get_stats() is None, name
+
+
+def test_single_keys_and_targets_get_their_own_page() -> None:
+    """``set`` and ``get`` of one key, ``get`` into a target, ``batch_get`` into targets and
+    as tensors with a miss among the keys, a full pool's batch set that stores what it can."""
+    storage, host = backend(num_pages=2)
+    assert storage.set("a", page_of("a").flatten()) and storage.exists("a")
+    found = storage.get("a")
+    assert isinstance(found, torch.Tensor) and torch.equal(found, page_of("a").flatten())
+    target = torch.zeros(PAGE_BYTES // 4)
+    assert storage.get("a", target) is target and torch.equal(target, page_of("a").flatten())
+    assert storage.get("absent") is None
+    targets = [torch.zeros(PAGE_BYTES // 4) for _ in range(2)]
+    got = storage.batch_get(["a", "absent"], targets)
+    assert got == [targets[0], None] and torch.equal(targets[0], page_of("a").flatten())
+    assert not targets[1].any()  # a miss leaves its target alone
+    as_tensors = storage.batch_get(["a", "absent"])
+    assert isinstance(as_tensors, list) and as_tensors[1] is None
+    assert as_tensors[0] is not None and torch.equal(as_tensors[0], page_of("a").flatten())
+    stats = storage.get_stats()
+    assert stats is not None and stats.num_blocks == 2
+    # Two pages, "a" stored: a batch of three new keys cannot fit, the stored key still counts.
+    assert storage.batch_set_v1(["a", "b", "c", "d"], pages(0, 4)) == [True, False, False, False]
+    assert read_back(storage, host, ["a"]) == []
