@@ -475,23 +475,35 @@ class Offloader:
             self._check_remote_keys(keys)
             self._remote_counts["fetch_calls"] += 1
             plans: list[StorePlan] = []
-            for key in dict.fromkeys(keys):
-                if self.manager.lookup(key) is not Lookup.MISS:
-                    self._remote_counts["fetch_skipped"] += 1
-                    continue
-                plan = self.manager.prepare_store([key])
-                if plan is None:
-                    self._remote_counts["fetch_no_room"] += 1
-                    break
-                if not plan.keys:  # a store_threshold not reached yet: nothing to fetch
-                    self.manager.complete_store(plan, success=False)
-                    continue
+            try:
+                for key in dict.fromkeys(keys):
+                    if self.manager.lookup(key) is not Lookup.MISS:
+                        self._remote_counts["fetch_skipped"] += 1
+                        continue
+                    plan = self.manager.prepare_store([key])
+                    if plan is None:
+                        self._remote_counts["fetch_no_room"] += 1
+                        break
+                    if not plan.keys:  # a store_threshold not reached yet: nothing to fetch
+                        self.manager.complete_store(plan, success=False)
+                        continue
+                    plans.append(plan)
+                    self._check_fetch_plan(plan)
+                if plans:  # one job writes them all: no block id twice
+                    ids = [plan.block_ids[0] for plan in plans]
+                    pool_blocks = self.engine.pool.num_blocks
+                    require_distinct(
+                        "cpu_block_ids", as_block_ids("cpu_block_ids", ids, pool_blocks)
+                    )
+            except BaseException:
+                # A manager of the caller's planned a bad block id: nothing is sent, and
+                # every plan made so far ends, or its key would stay pending for ever.
                 try:
-                    as_block_ids("cpu_block_ids", plan.block_ids, self.engine.pool.num_blocks)
-                except BaseException:
-                    self.manager.complete_store(plan, success=False)
-                    raise
-                plans.append(plan)
+                    self._write_back(plans)  # their victims' bytes: nothing wrote them yet
+                finally:
+                    for plan in plans:
+                        self.manager.complete_store(plan, success=False)
+                raise
             if plans:
                 # The victims of them all in one write, queued (and copied) before the
                 # fetch that may write their block ids.
@@ -542,6 +554,16 @@ class Offloader:
         counts[f"{side}_bytes"] += result.nbytes
         counts["finished_abandoned"] += abandoned
         self._transfer_seconds[f"{side}_seconds"] += result.seconds
+
+    def _check_fetch_plan(self, plan: StorePlan) -> None:
+        """A fetch plan stores one key: one block id, in the pool (the store path checks
+        its plans so in ``_pool_ids``)."""
+        if len(plan.block_ids) != len(plan.keys):
+            raise InvalidArgumentError(
+                f"a fetch plan of {len(plan.keys)} key needs as many block ids, got "
+                f"{len(plan.block_ids)}"
+            )
+        as_block_ids("cpu_block_ids", plan.block_ids, self.engine.pool.num_blocks)
 
     def _check_remote_keys(self, keys: Sequence[Key]) -> None:
         """Keys the remote cannot hold are refused before the manager sees them: a key's

@@ -90,6 +90,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         with self._lock:
+            self._check_host_indices(keys, host_indices)
             return self._set(
                 [key.encode() for key in keys],
                 [self._host_page(host_indices, i) for i in range(len(keys))],
@@ -99,6 +100,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         with self._lock:
+            self._check_host_indices(keys, host_indices)
             names = [key.encode() for key in keys]
             hits = self._hit_prefix(names)
             plan = self.manager.prepare_load(names[:hits])
@@ -169,6 +171,16 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             if addresses:
                 target_locations = self._host_slices(keys, target_locations, target_sizes)
             names = [key.encode() for key in keys]
+            if target_locations is not None:
+                if len(target_locations) < len(keys):
+                    raise InvalidArgumentError(
+                        f"{len(keys)} keys but {len(target_locations)} target locations"
+                    )
+                self._check_page_sizes(  # address slices are bytes, not the pages' dtype
+                    "target location",
+                    target_locations[: len(keys)],
+                    None if addresses else self._page_dtype,
+                )
             hits = self._hit_prefix(names)
             plan = self.manager.prepare_load(names[:hits])
             found: list[torch.Tensor | None] = [None] * len(keys)
@@ -205,6 +217,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
     def _set(self, keys: list[bytes], pages: list[torch.Tensor]) -> list[bool]:
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
+        self._check_page_sizes("page", pages)
         plan = self.manager.prepare_store(keys)
         if plan is None:  # no room: keys already stored still count as stored
             return [self.manager.lookup(key) is Lookup.HIT for key in keys]
@@ -228,7 +241,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             raise InvalidArgumentError(
                 f"{len(keys)} keys, {len(addresses)} target locations, {len(sizes)} sizes"
             )
-        page_bytes = self._pool_bytes_per_page()
+        page_bytes = self._page_bytes()
         regions = self._host_regions()
         views = []
         for address, size in zip(addresses, sizes, strict=True):
@@ -257,10 +270,38 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             )
         return regions
 
-    def _pool_bytes_per_page(self) -> int:
+    def _check_page_sizes(
+        self, what: str, pages: Sequence[Any], dtype: torch.dtype | None = None
+    ) -> None:
+        """Before the manager plans anything: a page of another size would be cut short,
+        spread over the pool page by broadcasting, or raise half-way (victims evicted); a
+        target of another dtype would take the page's values converted, not its bytes."""
+        page_bytes = self._page_bytes()
+        for i, page in enumerate(pages):
+            if not isinstance(page, torch.Tensor):
+                raise InvalidArgumentError(f"{what} #{i} is a {type(page).__name__}, not a tensor")
+            if dtype is not None and page.dtype != dtype:
+                raise InvalidArgumentError(f"{what} #{i} is {page.dtype}; pages are {dtype}")
+            if page.numel() * page.element_size() != page_bytes:
+                raise InvalidArgumentError(
+                    f"{what} #{i} holds {page.numel() * page.element_size()} bytes; "
+                    f"a page holds {page_bytes}"
+                )
+
+    def _page_bytes(self) -> int:
         if self._pool is None:
             raise InvalidArgumentError("register_mem_pool_host must come first")
         return int(self._pool.shape[1])
+
+    def _check_host_indices(self, keys: list[str], host_indices: torch.Tensor) -> None:
+        """SGLang hands ``page_size`` host indices per key."""
+        self._page_bytes()  # registered first
+        expected = len(keys) * self._host.page_size
+        if len(host_indices) != expected:
+            raise InvalidArgumentError(
+                f"{len(keys)} keys need {expected} host indices "
+                f"({self._host.page_size} per page), got {len(host_indices)}"
+            )
 
     def _host_page(self, host_indices: torch.Tensor, page: int) -> torch.Tensor:
         index = int(host_indices[page * self._host.page_size])

@@ -140,6 +140,7 @@ class KvoffloadManager(OffloadingManager):
         self._touch_counts_reuse = self.manager.policy.touch_counts_reuse
         self._store_plan_of: dict[OffloadKey, StorePlan] = {}  # pending key -> its open plan
         self._store_left: dict[int, set[OffloadKey]] = {}  # plan id -> keys not completed yet
+        self._store_failed: set[int] = set()  # plan ids a completion of some key failed
         self._load_plans: defaultdict[frozenset[OffloadKey], deque[LoadPlan]] = defaultdict(deque)
         self._abandoned: list[Plan] = []  # due at on_reset_flushed
         self._carried: list[Event] = []  # events from before a reset, not taken yet
@@ -221,9 +222,13 @@ class KvoffloadManager(OffloadingManager):
                 continue  # not pending in an open plan (a pre-reset job, or reported twice)
             left = self._store_left[plan.plan_id]
             left.discard(key)
+            if not success:  # a plan completes as a whole: one key's failure fails it
+                self._store_failed.add(plan.plan_id)
             if not left:
                 del self._store_left[plan.plan_id]
-                self.manager.complete_store(plan, success)
+                failed = plan.plan_id in self._store_failed
+                self._store_failed.discard(plan.plan_id)
+                self.manager.complete_store(plan, not failed)
 
     def _candidates(self, missing: list[OffloadKey]) -> list[OffloadKey]:
         """The keys of ``missing`` the manager admitted as store candidates just now."""
@@ -264,6 +269,7 @@ class KvoffloadManager(OffloadingManager):
         self._abandoned += open_plans
         self._store_plan_of.clear()
         self._store_left.clear()
+        self._store_failed.clear()
         self._load_plans.clear()
         self.manager.reset_cache()
         # vLLM's manager announces nothing at a reset: its scheduler resets its event
