@@ -2,10 +2,11 @@
 
 Each entry names the bug, says it in words, holds the broken thing (a copy of the spec with
 edited lines, :class:`~tests.planted.spec.Variant`; a manager built with a broken class,
-:class:`ManagerBug`; or broken remote-tier rules, a ``TierRules`` subclass) and is tagged
-with the checkers that must find it. tests/test_catalogue.py
-runs each checker on its share (CrossHair's share runs in tests/test_crosshair.py, whose
-CrossHair processes are pooled); a check that cannot fail shows up there as a bug it misses.
+:class:`ManagerBug`; or broken remote-tier rules and the world they are explored in,
+:class:`~tests.planted.tiers.TierBug`) and is tagged with the checkers that must find it.
+tests/test_catalogue.py runs each checker on its share (CrossHair's share runs in
+tests/test_crosshair.py, whose CrossHair processes are pooled); a check that cannot fail
+shows up there as a bug it misses.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 from kvoffload.manager import OffloadManager
 from kvoffload.offloader import Offloader
 from kvoffload.policies.base import EvictionPolicy
-from kvoffload_spec.tiers import TierRules
 from tests.planted import block_ids as broken_ids
 from tests.planted import crosshair_manager as broken_contracts
 from tests.planted import layouts as broken_layouts
@@ -112,7 +112,7 @@ class CrossHairTarget:
 Subject = (
     Variant
     | ManagerBug
-    | TierRules
+    | broken_tiers.TierBug
     | CrossHairTarget
     | broken_ids.PlantedIdBug
     | broken_races.PlantedRace
@@ -235,15 +235,8 @@ _MANAGERS = (
 )
 
 _TIERS = tuple(
-    _planted(rules.__name__, rules, rules(), TIERS)
-    for rules in (
-        broken_tiers.AcceptsAnotherKeysValue,
-        broken_tiers.AcceptsAPartialValue,
-        broken_tiers.AcceptsAForeignValue,
-        broken_tiers.TreatsAMissAsAHit,
-        broken_tiers.FreesAnAbandonedFetchsSlot,
-        broken_tiers.WritesBackLate,
-    )
+    _planted(type(bug.rules).__name__, type(bug.rules), bug, TIERS)
+    for bug in broken_tiers.PLANTED_TIER_BUGS
 )
 
 
