@@ -238,9 +238,17 @@ def test_simulate_notices_a_load_that_brings_back_the_wrong_bytes(
 def test_simulate_prints_a_summary_on_a_bundled_trace(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["simulate", "--trace", "synthetic", "--requests", "200"], capsys)
     assert code == 0
-    for label in ("device hit ratio", "CPU hit ratio", "of the optimum", "GB/s", "p99"):
+    for label in (
+        "reusable at most",
+        "first uses",
+        "device cache hits",
+        "CPU tier hits",
+        "of Belady's optimum",
+        "GB/s",
+        "p99",
+    ):
         assert label in out
-    assert "all byte-exact" in out
+    assert "byte-exact" in out
 
 
 # -- verify ----------------------------------------------------------------------------------
@@ -280,6 +288,14 @@ def test_verify_passes_a_conforming_policy(policy: str, capsys: pytest.CaptureFi
     exploration, conformance = report["checks"]
     assert exploration["name"] == "exploration" and "every state within" in exploration["covered"]
     assert conformance["name"] == "conformance" and "random histories" in conformance["covered"]
+    explored = exploration["coverage"]
+    assert set(explored) == {"depth", "complete", "states", "transitions"}
+    assert explored["depth"] >= 1 and explored["transitions"] >= explored["states"] > 1
+    assert f"within {explored['depth']} calls" in exploration["covered"]
+    assert f"{explored['states']:,} states" in exploration["covered"]
+    histories = conformance["coverage"]["histories"]
+    assert histories >= 50 and f"{histories:,} random histories" in conformance["covered"]
+    assert conformance["coverage"]["max_steps"] == 30
 
 
 @pytest.mark.parametrize("budget", [0, -1.0, True, "60"])

@@ -1,23 +1,30 @@
-"""The remote value format on its own (no server): a value is accepted only as it was framed,
-under its key and namespace; every single-bit flip, every truncation and every extension of
-a framed value is refused; keys encode injectively.
+"""The remote value formats on their own (no server): a value is accepted only as it was
+framed, under its key and namespace (and, sealed, its tenant's secret); every single-bit flip,
+every truncation and every extension of a framed value is refused; keys encode injectively;
+without the secret nobody can make a sealed value that is accepted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.tiers.values import (
     HEADER_BYTES,
+    MIN_SECRET_BYTES,
+    SEALED_HEADER_BYTES,
+    SEALED_MAGIC,
     Namespace,
     Rejection,
     encode_key,
     frame,
     payload_of,
+    value_format,
 )
+from kvoffload_spec.errors import InvalidArgumentError
 
 NAMESPACE = Namespace.of({"model": "m", "layers": 2})
 OTHER = Namespace.of({"model": "m", "layers": 3})
@@ -63,3 +70,133 @@ def test_every_bit_flip_truncation_and_extension_is_refused(key: Hashable, paylo
         assert isinstance(payload_of(NAMESPACE, encoded, value[:length]), Rejection), length
     for extra in (b"\0", b"x" * 7):
         assert payload_of(NAMESPACE, encoded, value + extra) is Rejection.LENGTH
+
+
+# -- sealed values (a secret) ---------------------------------------------------------------
+
+SECRET = b"tenant-a secret, 32 bytes long.."
+SEALED = value_format(NAMESPACE, SECRET)
+OTHER_TENANT = value_format(NAMESPACE, b"tenant-b secret, 32 bytes long..")
+
+
+@given(keys, st.binary(max_size=300))
+def test_a_sealed_value_reads_back_exactly_and_only_for_its_tenant(
+    key: Hashable, payload: bytes
+) -> None:
+    encoded = encode_key(key)
+    value = SEALED.frame(encoded, memoryview(payload))
+    assert (
+        len(value)
+        == SEALED_HEADER_BYTES + len(payload)
+        == SEALED.header_bytes(encoded) + len(payload)
+    )
+    found = SEALED.payload_of(encoded, value)
+    assert isinstance(found, memoryview) and found.tobytes() == payload
+    assert OTHER_TENANT.payload_of(encoded, value) is Rejection.FOREIGN
+    assert value_format(NAMESPACE).payload_of(encoded, value) is Rejection.FOREIGN
+    assert value_format(OTHER, SECRET).payload_of(encoded, value) is Rejection.FOREIGN
+
+
+@given(keys, keys, st.binary(max_size=64))
+def test_a_sealed_value_moved_to_another_key_fails_its_tag(
+    one: Hashable, two: Hashable, payload: bytes
+) -> None:
+    if one != two:
+        value = SEALED.frame(encode_key(one), memoryview(payload))
+        assert SEALED.payload_of(encode_key(two), value) is Rejection.MAC
+        assert SEALED.server_key(encode_key(one)) != SEALED.server_key(encode_key(two))
+
+
+@settings(max_examples=40)  # each example tries every bit of its value
+@given(keys, st.binary(min_size=1, max_size=40))
+def test_every_bit_flip_truncation_and_extension_of_a_sealed_value_is_refused(
+    key: Hashable, payload: bytes
+) -> None:
+    encoded = encode_key(key)
+    value = SEALED.frame(encoded, memoryview(payload))
+    for position in range(len(value)):
+        for bit in range(8):
+            flipped = bytearray(value)
+            flipped[position] ^= 1 << bit
+            assert isinstance(SEALED.payload_of(encoded, bytes(flipped)), Rejection)
+    for length in range(len(value)):
+        assert isinstance(SEALED.payload_of(encoded, value[:length]), Rejection), length
+    for extra in (b"\0", b"x" * 7):
+        assert SEALED.payload_of(encoded, value + extra) is Rejection.LENGTH
+
+
+def test_a_forger_who_knows_everything_but_the_secret_is_refused() -> None:
+    """Everything public about the tenant (its namespace, the format, a value it stored, the
+    server key it used) does not let a writer without the secret make a value it accepts."""
+    encoded = encode_key(b"block hash")
+    genuine = SEALED.frame(encoded, memoryview(b"the real KV bytes"))
+    tenant = genuine[4:20]  # readable by anyone who can GET the value
+    nonce = genuine[28:44]
+    fake = b"attacker's KV bytes"
+    forgeries = [
+        value_format(NAMESPACE).frame(encoded, memoryview(fake)),  # the plain format
+        OTHER_TENANT.frame(encoded, memoryview(fake)),  # sealed with the forger's own secret
+        # the genuine header, another payload of the same length and of another length
+        genuine[:SEALED_HEADER_BYTES] + b"attacker's KV byte",
+        genuine[:20] + len(fake).to_bytes(8, "little") + genuine[28:SEALED_HEADER_BYTES] + fake,
+        # a header assembled from the public fields with a tag guessed as zeros
+        SEALED_MAGIC + tenant + len(fake).to_bytes(8, "little") + nonce + bytes(16) + fake,
+    ]
+    for forged in forgeries:
+        assert isinstance(SEALED.payload_of(encoded, forged), Rejection), forged
+
+
+def test_server_keys_depend_on_the_secret_and_tell_nothing_of_the_block_key() -> None:
+    encoded = encode_key(b"a prefix hash")
+    name = SEALED.server_key(encoded)
+    assert name.startswith(SEALED.key_prefix) and name.startswith(b"kvo2:")
+    assert encoded not in name and NAMESPACE.fingerprint.hex().encode() not in name
+    assert OTHER_TENANT.server_key(encoded) != name
+    assert value_format(NAMESPACE, SECRET).server_key(encoded) == name  # same in every process
+    assert value_format(NAMESPACE).server_key(encoded) == NAMESPACE.key_prefix + encoded
+
+
+def test_a_secret_is_checked_and_never_shown() -> None:
+    for short in (b"", "too short", b"x" * (MIN_SECRET_BYTES - 1)):
+        with pytest.raises(InvalidArgumentError, match="at least"):
+            value_format(NAMESPACE, short)
+    with pytest.raises(InvalidArgumentError, match="bytes or a str"):
+        value_format(NAMESPACE, 12345678901234567890)  # type: ignore[arg-type]
+    # a secret file's trailing newline is not part of the secret
+    text = SECRET.decode()
+    assert value_format(NAMESPACE, text + "\n").server_key(b"k") == SEALED.server_key(b"k")
+    assert SECRET.decode() not in repr(SEALED) and "secret" not in repr(SEALED)
+
+
+def test_every_sealed_value_is_tagged_under_a_mac_key_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Poly1305 is a one-time MAC: two messages tagged under one key give that key away, and
+    forgeries with it. Each value's key comes from its own random nonce, so 64 seals of the
+    same bytes under the same block key use 64 keys, and a read checks each value under
+    the key it was sealed with."""
+    sealed = value_format(NAMESPACE, SECRET)
+    real = sealed._poly1305  # type: ignore[attr-defined]
+    used: list[bytes] = []
+
+    def recording(key: bytes) -> object:
+        used.append(bytes(key))
+        return real(key)
+
+    monkeypatch.setattr(sealed, "_poly1305", recording)
+    encoded = encode_key(b"one block")
+    values = [sealed.frame(encoded, memoryview(b"the same bytes")) for _ in range(64)]
+    sealing = list(used)
+    assert len(set(sealing)) == 64
+    used.clear()
+    assert all(isinstance(sealed.payload_of(encoded, value), memoryview) for value in values)
+    assert used == sealing
+
+
+def test_a_key_may_nest_tuples_eight_deep_and_no_deeper() -> None:
+    key: Hashable = 1
+    for _ in range(8):
+        key = (key,)
+    assert encode_key(key)
+    with pytest.raises(InvalidArgumentError, match="more than 8 deep"):
+        encode_key((key,))

@@ -14,7 +14,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_spec.errors import InvalidArgumentError, OffloadError
@@ -23,14 +25,15 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from kvoffload.checking.verify import VerifyReport
-    from kvoffload.replay.report import SimulationReport
-    from kvoffload.replay.simulate import SimulationConfig
+    from kvoffload.replay.report import RemoteTally, SharedSimulationReport, SimulationReport
+    from kvoffload.replay.simulate import MemoryPlan, SimulationConfig
     from kvoffload.replay.sweep import SweepResult
     from kvoffload.replay.traces import Trace
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # a user error (bad trace, size, policy) or a verification that failed
 EXIT_INTERRUPTED = 130
+PIPED_WIDTH = 100  # a table of text in a pipe or a log wraps its words at this width
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a Unix tool killed by a closed pipe reports
 
 
@@ -180,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --remote: write each block the CPU pool evicts (write-back), or each "
         "block once stored (write-through) (default: %(default)s)",
     )
+    simulate.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="N",
+        help="serve kvoffload's metrics (Prometheus text format) on "
+        "http://127.0.0.1:N/metrics while the replay runs (needs prometheus_client: "
+        "pip install 'kvoffload[metrics]')",
+    )
     _add_json_argument(simulate)
     simulate.set_defaults(command=_run_simulate, command_name="simulate")
 
@@ -265,12 +277,9 @@ def _add_json_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    import kvoffload
 
-    try:
-        return version("kvoffload")
-    except PackageNotFoundError:
-        return "(not installed)"
+    return kvoffload.__version__
 
 
 # -- argument types: argparse turns their ValueError into a usage error ---------------------
@@ -346,6 +355,12 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
+    return int(text)
+
+
 # -- the commands ---------------------------------------------------------------------------
 
 
@@ -363,6 +378,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     )
     from kvoffload.policies.base import PolicyContractError
 
+    if args.metrics_port is not None:
+        where = f"http://127.0.0.1:{args.metrics_port}/metrics"
+        print(f"kvoffload simulate: metrics on {where} while it runs", file=sys.stderr)
     if args.remote is not None or args.instances > 1:
         return _run_simulate_shared(args, trace, config)
     console = _console(stderr=True)
@@ -373,9 +391,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 trace,
                 config,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
+                on_start=_announce_memory,
+                metrics_port=args.metrics_port,
             )
     except PolicyContractError as error:  # a bug in the user's policy, said in one line
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
+    except ImportError as error:  # --metrics-port without prometheus_client
+        return _fail(args, str(error))
     if args.json:
         _print_json(report.to_json())
     else:
@@ -413,16 +435,26 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        return _fail(
+            args,
+            "kvoffload verify needs Hypothesis, which a serving install leaves out: "
+            "pip install 'kvoffload[verify]'",
+        )
     from kvoffload.checking.verify import verify
 
     console = _console(stderr=True)
-    with _progress(console, enabled=not args.json) as progress:
-        task = progress.add_task(f"verifying {args.policy}", total=None)
-        report = verify(
-            args.policy,
-            budget_s=args.budget,
-            on_stage=lambda stage: progress.update(task, description=stage),
-        )
+    with _progress(console, enabled=not args.json, unit="s") as progress:
+        # the checks share the time budget: the bar is the budget spent
+        task = progress.add_task(f"verifying {args.policy}", total=args.budget)
+        with _ticking(lambda spent: progress.update(task, completed=min(spent, args.budget))):
+            report = verify(
+                args.policy,
+                budget_s=args.budget,
+                on_stage=lambda stage: progress.update(task, description=stage),
+            )
     if args.json:
         _print_json(report.to_json())
     else:
@@ -450,19 +482,49 @@ def _console(stderr: bool = False) -> Console:
     return PipeAwareConsole(stderr=stderr)
 
 
-def _progress(console: Console, enabled: bool) -> Any:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+def _progress(console: Console, enabled: bool, unit: str = "") -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
-        MofNCompleteColumn(),
+        MofNCompleteColumn(separator="/" if not unit else f" {unit} / "),
         TimeElapsedColumn(),
+        "eta",
+        TimeRemainingColumn(),
         console=console,
         transient=True,
         # a bar is for a person watching: not in a pipe, a log or with --json
         disable=not (enabled and console.is_terminal),
     )
+
+
+@contextmanager
+def _ticking(tick: Callable[[float], None], every_s: float = 0.5) -> Iterator[None]:
+    """Call ``tick(seconds since start)`` every ``every_s`` on a daemon thread while the
+    block runs (for work that reports no progress of its own)."""
+    import threading
+
+    started = time.monotonic()
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(every_s):
+            tick(time.monotonic() - started)
+
+    thread = threading.Thread(target=loop, name="kvoffload-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _table(
@@ -478,12 +540,13 @@ def _table(
         table.add_row(*row)
     console = _console()
     if not console.is_terminal:
-        # In a pipe or a log nothing limits the width: print every column whole (a sweep
-        # of every built-in policy is wider than the default 80 columns).
+        # In a pipe or a log nothing limits the width: print a table of numbers with every
+        # column whole (a sweep of every built-in policy is wider than 80 columns), and
+        # wrap the words of a table of text at a width that reads.
         from rich.measure import Measurement
 
         natural = Measurement.get(console, console.options.update_width(1_000), table).maximum
-        console.width = max(console.width, natural)
+        console.width = max(console.width, natural if numeric else min(natural, PIPED_WIDTH))
     console.print(table)
 
 
@@ -491,6 +554,8 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
     from kvoffload.policies.base import PolicyContractError
     from kvoffload.replay.simulate import simulate_shared
 
+    if args.remote is not None:
+        _check_remote_answers(args.remote)
     console = _console(stderr=True)
     try:
         with _progress(console, enabled=not args.json) as progress:
@@ -502,6 +567,8 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
                 remote_url=args.remote,
                 remote_mode=args.remote_mode,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
+                on_start=_announce_memory,
+                metrics_port=args.metrics_port,
             )
     except PolicyContractError as error:
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
@@ -510,14 +577,13 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
     if args.json:
         _print_json(shared.to_json())
     else:
-        total = shared.total
-        where = f", remote {args.remote}" if args.remote else ", no remote"
-        _table(
-            f"kvoffload simulate: {trace.name}, {total.requests:,} requests on "
-            f"{args.instances} engines{where}",
-            ["", "all engines", *(f"engine {i}" for i in range(args.instances))],
-            _shared_rows(total, shared.engines),
-            numeric=False,
+        _show_shared_simulation(trace, shared, args.remote)
+    tally = shared.total.remote
+    if tally is not None and tally.failures:
+        _warn(
+            args,
+            f"the remote tier failed {tally.failures:,} times (last: {tally.last_error}); "
+            "those blocks were recomputed",
         )
     if not shared.all_loads_verified:
         wrong = sum(report.load_mismatches for report in shared.engines)
@@ -525,17 +591,93 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
     return EXIT_OK
 
 
-def _shared_rows(total: SimulationReport, engines: list[SimulationReport]) -> list[tuple[str, ...]]:
-    """The summary's rows, one column for the sum and one per engine."""
-    columns = [dict(total.summary_rows())] + [dict(report.summary_rows()) for report in engines]
-    columns[0]["manager call latency"] = "(per engine)"  # the samples are the engines'
-    return [(label, *(column.get(label, "") for column in columns)) for label in columns[0]]
+LARGE_RUN_BYTES = 1 << 30
 
 
-def _show_simulation(trace: Trace, report: SimulationReport) -> None:
+def _announce_memory(plan: MemoryPlan) -> None:
+    """Say what a run will take before it takes it: to a person watching, and to a log
+    whenever it is a lot."""
+    if sys.stderr.isatty() or plan.host_bytes >= LARGE_RUN_BYTES:
+        print(f"kvoffload simulate: {plan.describe()}", file=sys.stderr)
+
+
+def _check_remote_answers(url: str) -> None:
+    """Say at once, on stderr, when the remote tier does not answer: the run still goes on
+    (a store survives a server that is down), but its remote column would be all misses."""
+    from kvoffload.tiers import ValkeyStore
+
+    with ValkeyStore(url, namespace="kvoffload simulate: ping") as probe:
+        if not probe.ping():
+            print(
+                f"kvoffload simulate: warning: the remote tier does not answer "
+                f"({probe.stats().last_error}); the run goes on without it",
+                file=sys.stderr,
+            )
+
+
+def _warn(args: argparse.Namespace, message: str) -> None:
+    print(f"kvoffload {args.command_name}: warning: {message}", file=sys.stderr)
+
+
+def _show_shared_simulation(
+    trace: Trace, shared: SharedSimulationReport, remote: str | None
+) -> None:
+    """One row per engine and one for them all; what they share is said once, above."""
+    total = shared.total
+    engines = len(shared.engines)
+    if engines == 1:  # one engine and a remote: its summary says it all
+        _show_simulation(trace, total, remote)
+        return
+    where = f"sharing the remote tier {remote}" if remote else "with no remote tier"
     _table(
-        f"kvoffload simulate: {trace.name}, {report.requests:,} requests",
-        ["", "value"],
+        f"kvoffload simulate: {trace.name}, {total.requests:,} requests over {engines} "
+        f"engine{'s' if engines != 1 else ''} {where}\neach engine: "
+        f"{shared.engines[0].engine_description()}\nreusable at most (an infinite cache): "
+        f"{total.reusable_ratio:.4f} of {total.block_refs:,} block references",
+        [column for column, _ in _ENGINE_COLUMNS],
+        [
+            (name, *(cell(report) for _, cell in _ENGINE_COLUMNS[1:]))
+            for name, report in [
+                *((f"engine {i}", report) for i, report in enumerate(shared.engines)),
+                ("all engines", total),
+            ]
+        ],
+    )
+
+
+def _remote_cell(report: SimulationReport, cell: Callable[[RemoteTally], str]) -> str:
+    return "-" if report.remote is None else cell(report.remote)
+
+
+_ENGINE_COLUMNS: list[tuple[str, Callable[[SimulationReport], str]]] = [
+    ("", lambda report: ""),
+    ("requests", lambda report: f"{report.requests:,}"),
+    ("device hits", lambda report: f"{report.device_hit_ratio:.4f}"),
+    ("CPU hits", lambda report: f"{report.cpu_hit_ratio:.4f}"),
+    (
+        "remote hits",
+        lambda report: _remote_cell(report, lambda r: f"{r.hits / report.block_refs:.4f}"),
+    ),
+    (
+        "by sharing",
+        lambda report: _remote_cell(report, lambda r: f"{r.shared_hits / report.block_refs:.4f}"),
+    ),
+    ("recomputed", lambda report: f"{report.miss_ratio:.4f}"),
+    ("stored", lambda report: f"{report.blocks_stored:,}"),
+    ("loaded", lambda report: f"{report.blocks_loaded:,}"),
+    ("remote failures", lambda report: _remote_cell(report, lambda r: f"{r.failures:,}")),
+    (
+        "verified",
+        lambda report: "byte-exact" if report.all_loads_verified else "DIFFER",
+    ),
+]
+
+
+def _show_simulation(trace: Trace, report: SimulationReport, remote: str | None = None) -> None:
+    behind = f", remote tier {remote}" if remote else ""
+    _table(
+        f"kvoffload simulate: {trace.name}\n{report.engine_description()}{behind}",
+        ["", "value", ""],
         report.summary_rows(),
         numeric=False,
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvoffload.policies.base import EvictionPolicy
+    from kvoffload.stats import TransferStats
     from kvoffload.tiers import RemoteJob, RemoteStats, RemoteStore, RemoteTier
     from kvoffload.transfer.engine import BlockIds
 
@@ -211,6 +212,8 @@ class Offloader:
         self._fetch_started: dict[int, float] = {}  # fetch plan id -> time.monotonic()
         self._puts: dict[int, RemoteJob] = {}  # remote job id -> write job, in flight
         self._remote_counts: Counter[str] = Counter()
+        self._transfer_counts: Counter[str] = Counter()  # TransferStats' fields
+        self._transfer_seconds: defaultdict[str, float] = defaultdict(float)
         if remote is not None:
             from kvoffload.tiers.background import RemoteTier
 
@@ -302,6 +305,7 @@ class Offloader:
             del self._job_of[plan.plan_id]
             self._submitted_at.pop(job, None)
             abandoned = self.manager.is_abandoned(plan)  # asked before the completion ends it
+            self._count_transfer(result, abandoned)
             if isinstance(plan, StorePlan):
                 self.manager.complete_store(plan, success=result.ok)
                 if result.ok and not abandoned and self._remote_mode == "write-through":
@@ -471,23 +475,35 @@ class Offloader:
             self._check_remote_keys(keys)
             self._remote_counts["fetch_calls"] += 1
             plans: list[StorePlan] = []
-            for key in dict.fromkeys(keys):
-                if self.manager.lookup(key) is not Lookup.MISS:
-                    self._remote_counts["fetch_skipped"] += 1
-                    continue
-                plan = self.manager.prepare_store([key])
-                if plan is None:
-                    self._remote_counts["fetch_no_room"] += 1
-                    break
-                if not plan.keys:  # a store_threshold not reached yet: nothing to fetch
-                    self.manager.complete_store(plan, success=False)
-                    continue
+            try:
+                for key in dict.fromkeys(keys):
+                    if self.manager.lookup(key) is not Lookup.MISS:
+                        self._remote_counts["fetch_skipped"] += 1
+                        continue
+                    plan = self.manager.prepare_store([key])
+                    if plan is None:
+                        self._remote_counts["fetch_no_room"] += 1
+                        break
+                    if not plan.keys:  # a store_threshold not reached yet: nothing to fetch
+                        self.manager.complete_store(plan, success=False)
+                        continue
+                    plans.append(plan)
+                    self._check_fetch_plan(plan)
+                if plans:  # one job writes them all: no block id twice
+                    ids = [plan.block_ids[0] for plan in plans]
+                    pool_blocks = self.engine.pool.num_blocks
+                    require_distinct(
+                        "cpu_block_ids", as_block_ids("cpu_block_ids", ids, pool_blocks)
+                    )
+            except BaseException:
+                # A manager of the caller's planned a bad block id: nothing is sent, and
+                # every plan made so far ends, or its key would stay pending for ever.
                 try:
-                    as_block_ids("cpu_block_ids", plan.block_ids, self.engine.pool.num_blocks)
-                except BaseException:
-                    self.manager.complete_store(plan, success=False)
-                    raise
-                plans.append(plan)
+                    self._write_back(plans)  # their victims' bytes: nothing wrote them yet
+                finally:
+                    for plan in plans:
+                        self.manager.complete_store(plan, success=False)
+                raise
             if plans:
                 # The victims of them all in one write, queued (and copied) before the
                 # fetch that may write their block ids.
@@ -517,6 +533,37 @@ class Offloader:
                 store=self._remote.store.stats(),
                 **self._remote_counts,
             )
+
+    def transfer_stats(self) -> TransferStats:
+        """The copy jobs' counters per direction, as ``poll`` reported them."""
+        from kvoffload.stats import TransferStats
+
+        with self._lock:
+            seconds = self._transfer_seconds
+            return TransferStats(
+                **self._transfer_counts,
+                load_seconds=seconds["load_seconds"],
+                store_seconds=seconds["store_seconds"],
+            )
+
+    def _count_transfer(self, result: JobResult, abandoned: bool) -> None:
+        side = "load" if result.direction is Direction.LOAD else "store"
+        counts = self._transfer_counts
+        counts[f"{side}s"] += 1
+        counts[f"{side}s_failed"] += not result.ok
+        counts[f"{side}_bytes"] += result.nbytes
+        counts["finished_abandoned"] += abandoned
+        self._transfer_seconds[f"{side}_seconds"] += result.seconds
+
+    def _check_fetch_plan(self, plan: StorePlan) -> None:
+        """A fetch plan stores one key: one block id, in the pool (the store path checks
+        its plans so in ``_pool_ids``)."""
+        if len(plan.block_ids) != len(plan.keys):
+            raise InvalidArgumentError(
+                f"a fetch plan of {len(plan.keys)} key needs as many block ids, got "
+                f"{len(plan.block_ids)}"
+            )
+        as_block_ids("cpu_block_ids", plan.block_ids, self.engine.pool.num_blocks)
 
     def _check_remote_keys(self, keys: Sequence[Key]) -> None:
         """Keys the remote cannot hold are refused before the manager sees them: a key's

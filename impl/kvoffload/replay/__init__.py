@@ -8,5 +8,7 @@
   bound every policy is set against;
 - :mod:`~kvoffload.replay.sweep`: hit ratios of policies over cache sizes (bookkeeping only);
 - :mod:`~kvoffload.replay.simulate`: the replay through a small serving engine with real
-  tensors, the data path and the tiers, and :mod:`~kvoffload.replay.report` what it measured.
+  tensors, the data path and the tiers (sized by :mod:`~kvoffload.replay.config`), and
+  :mod:`~kvoffload.replay.report` what it measured (:mod:`~kvoffload.replay.timing`: each
+  manager call timed).
 """
