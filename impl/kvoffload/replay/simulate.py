@@ -228,7 +228,8 @@ def simulate_shared(
     for store in stores:
         store.close()
     first_uses = len({block for request in requests for block in request})
-    return SharedSimulationReport(trace.name, remote_url, reports, wall, first_uses)
+    shown = stores[0].url if stores else None  # its password replaced by ***
+    return SharedSimulationReport(trace.name, shown, reports, wall, first_uses)
 
 
 @contextmanager
