@@ -17,6 +17,7 @@ import valkey
 
 from kvoffload.tiers import Namespace, RemoteStore, StoreClosedError, ValkeyStore
 from kvoffload.tiers import valkey_store as valkey_store_module
+from kvoffload.tiers.connection import send_gathered
 from kvoffload.tiers.values import HEADER_BYTES, encode_key, frame
 from kvoffload_spec.errors import InvalidArgumentError, OffloadError
 from tests.remote_support import LAYOUT, assert_accounted, blocks
@@ -395,7 +396,7 @@ def test_a_gathered_send_survives_short_sends_byte_exact() -> None:
 
     reader = threading.Thread(target=drain)
     reader.start()
-    valkey_store_module._send_gathered(sender, list(pieces))
+    send_gathered(sender, list(pieces))
     reader.join(timeout=30)
     sender.close()
     receiver.close()

@@ -6,7 +6,9 @@
 - ``RemoteTier``: a store's calls on a worker thread behind a bounded queue
   (:mod:`kvoffload.tiers.background`);
 - ``Namespace`` keeps two models or KV layouts apart on one server, and the value format makes
-  a stale, foreign, truncated or corrupt value a miss (:mod:`kvoffload.tiers.values`).
+  a stale, foreign, truncated or corrupt value a miss (:mod:`kvoffload.tiers.values`); with a
+  tenant's secret (:mod:`kvoffload.tiers.secret`), a forged one too;
+- ``acl_rule``: the least-privilege ACL user of one tenant's store.
 
 The modules that need the client library are imported on first use.
 """
@@ -23,11 +25,16 @@ if TYPE_CHECKING:
     from kvoffload.tiers.background import RemoteJob as RemoteJob
     from kvoffload.tiers.background import RemoteTier as RemoteTier
     from kvoffload.tiers.background import RemoteTierStats as RemoteTierStats
+    from kvoffload.tiers.secret import SECRET_ENV as SECRET_ENV
+    from kvoffload.tiers.secret import read_secret_file as read_secret_file
+    from kvoffload.tiers.secret import resolve_secret as resolve_secret
     from kvoffload.tiers.valkey_store import ValkeyStore as ValkeyStore
+    from kvoffload.tiers.valkey_store import acl_rule as acl_rule
     from kvoffload.tiers.values import Namespace as Namespace
     from kvoffload.tiers.values import Rejection as Rejection
 
 __all__ = [
+    "SECRET_ENV",
     "JobNotDoneError",
     "Namespace",
     "Rejection",
@@ -38,6 +45,9 @@ __all__ = [
     "RemoteTierStats",
     "StoreClosedError",
     "ValkeyStore",
+    "acl_rule",
+    "read_secret_file",
+    "resolve_secret",
 ]
 
 _LAZY: dict[str, str] = {
@@ -48,6 +58,10 @@ _LAZY: dict[str, str] = {
     "Namespace": "kvoffload.tiers.values",
     "Rejection": "kvoffload.tiers.values",
     "ValkeyStore": "kvoffload.tiers.valkey_store",
+    "acl_rule": "kvoffload.tiers.valkey_store",
+    "SECRET_ENV": "kvoffload.tiers.secret",
+    "read_secret_file": "kvoffload.tiers.secret",
+    "resolve_secret": "kvoffload.tiers.secret",
 }
 
 

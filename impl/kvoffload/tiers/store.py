@@ -24,9 +24,9 @@ operation      the server has the value     no (valid) value            timeout 
 ``delete``     ``True``: removed now        ``False``                   ``False``
 =============  ===========================  ==========================  ====================
 
-"No valid value" includes a value that is there but refused: another namespace's, another
-key's, truncated, or corrupt (see :mod:`kvoffload.tiers.values`); such a value is never
-returned.
+"No valid value" includes a value that is there but refused: another namespace's or
+tenant's, another key's, truncated, corrupt, forged (see :mod:`kvoffload.tiers.values`), or
+longer than the call can accept; such a value is never returned.
 """
 
 from __future__ import annotations
@@ -55,19 +55,22 @@ class RemoteStats:
     """Counters since the store was made (a snapshot: later calls do not change it).
 
     Keys asked for: ``hits + misses + rejected + unavailable == keys_requested``. Keys
-    written: ``keys_stored + keys_not_stored == keys_offered``.
+    written: ``keys_stored + keys_not_stored == keys_offered``. ``failures == timeouts +
+    connection_errors + server_errors + protocol_errors``. Each call's counts are added at
+    once, so a snapshot taken during another thread's call keeps these identities.
     """
 
     get_calls: int = 0
     keys_requested: int = 0
     hits: int = 0
     misses: int = 0  # the server had no value under the key
-    rejected: int = 0  # a value was there but refused (the five counters below add up)
+    rejected: int = 0  # a value was there but refused (the six counters below add up)
     rejected_malformed: int = 0
     rejected_foreign: int = 0
     rejected_wrong_key: int = 0
-    rejected_length: int = 0
+    rejected_length: int = 0  # truncated, extended, another size, or over the call's limit
     rejected_checksum: int = 0
+    rejected_mac: int = 0  # a sealed value whose tag does not verify: forged or moved
     unavailable: int = 0  # asked during a failure, or while the server was marked down
     put_calls: int = 0
     keys_offered: int = 0
@@ -77,9 +80,10 @@ class RemoteStats:
     keys_deleted: int = 0
     contains_calls: int = 0
     failures: int = 0  # calls that met a failure (the next four add up to it)
-    timeouts: int = 0
-    connection_errors: int = 0  # refused, reset, closed, killed mid-call
-    server_errors: int = 0  # error replies (out of memory, loading, read-only replica...)
+    timeouts: int = 0  # the call's deadline passed (timeout_s from its start)
+    connection_errors: int = 0  # refused, reset, closed, killed mid-call, TLS refused
+    server_errors: int = 0  # error replies (out of memory, loading, no permission...)
+    protocol_errors: int = 0  # replies no command sent can have (malformed, out of step)
     skipped: int = 0  # calls answered at once because the server was marked down
     connects: int = 0  # connections established (the first, then each reconnect)
     retries: int = 0  # calls sent again on a new connection: the one they met was dead
@@ -95,7 +99,7 @@ class RemoteStore(Protocol):
     """A batched block store shared by engines (one implementation: ValkeyStore).
 
     Every call is synchronous and takes a whole batch: its time is one round trip plus the
-    bytes' transfer, and at most the store's timeout more when the server stalls. Call it
+    bytes' transfer, and never more than the store's timeout, whatever the server does. Call it
     off the scheduler's critical path (a worker thread: :class:`~kvoffload.tiers.RemoteTier`).
     """
 

@@ -2,60 +2,58 @@
 
 One connection, one batch per round trip: ``get`` is one ``MGET``, ``put`` one ``MSET`` per
 ~4 MiB of values (all sent before any reply is read), ``contains`` and ``delete`` pipeline
-one ``EXISTS`` / ``UNLINK`` per key. The client library (``valkey``, which speaks to Redis
-servers too) parses the URL, connects and parses replies; the commands are packed and sent
-here, so that a value goes out as its small header followed by the caller's own buffer (a
-put copies no payload byte), many buffers to one ``sendmsg``, each header made just before
-its payload is handed to the socket.
+one ``EXISTS`` / ``UNLINK`` per key. The store speaks the protocol itself
+(:mod:`kvoffload.tiers.connection`): a value goes out as its small header followed by the
+caller's own buffer (a put copies no payload byte), many buffers to one ``sendmsg``; a reply
+is read straight into the memory it ends in, never more of it than the call can accept.
 
-Failures never escape (see :mod:`kvoffload.tiers.store`): a timeout, a refused or reset
-connection or an error reply makes the call's keys misses (or writes not stored), is counted,
-drops the connection (a reply that comes late must never be read as the answer to a later
-command), and marks the server down for ``retry_after_s``: until then calls return at once,
-so a dead server costs the caller one timeout per ``retry_after_s``, not one per call. The
-first call after that connects again. A connection found dead on its first use by a call
-(the server restarted while the store was idle) is not a failure: the call is sent once
-more on a new connection, and counted in ``retries``.
+Every call has one deadline, ``timeout_s`` from its start: connecting, authenticating, each
+send and each receive wait only for what is left of it. Failures never escape (see
+:mod:`kvoffload.tiers.store`): a timeout, a refused or reset connection, an error reply or a
+malformed one makes the call's keys misses (or writes not stored), is counted, and (but for
+an error reply, read whole) drops the connection, so that a reply that comes late is never
+read as the answer to a later command; any other exception on the connection (a
+``KeyboardInterrupt``, a signal handler's) drops it too, and propagates. After a failure the
+server is marked down for ``retry_after_s``: calls return at once until then. A connection
+found dead on its first use by a call (the server restarted while the store was idle) is not
+a failure: the call is sent once more on a new connection, within the same deadline, and
+counted in ``retries``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import socket
-import ssl
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, cast
-
-import valkey
-from valkey.connection import parse_url
+from typing import Any, TypeVar
 
 from kvoffload_spec.errors import InvalidArgumentError
 
+from .address import ServerAddress, redact
+from .connection import (
+    Deadline,
+    ErrorReply,
+    Link,
+    Oversized,
+    ProtocolError,
+    Reply,
+    ServerClosed,
+    pack,
+    tls_context,
+)
+from .secret import resolve_secret
 from .store import Payload, RemoteStats, StoreClosedError, WritableBuffer
-from .values import Namespace, Rejection, as_payload, encode_key, header, payload_of
+from .values import MAX_KEY_BYTES, MAX_VALUE_BYTES, Namespace, Rejection, as_payload, encode_key
+from .values import value_format as make_format
 
+T = TypeVar("T")
 # A command as the successive sends that make it (called again to send it again).
 _Sends = Callable[[], Iterable[Sequence[bytes | memoryview]]]
-
-
-class _Connection(Protocol):
-    """What is used of the client's connection (its methods carry no annotations)."""
-
-    _sock: object | None
-
-    def connect(self) -> None: ...
-
-    def disconnect(self) -> None: ...
-
-    def send_packed_command(
-        self, command: Sequence[bytes | memoryview], check_health: bool = True
-    ) -> None: ...
-
-    def read_response(self, *, disconnect_on_error: bool = True) -> Any: ...
-
+_Read = Callable[[Link, Deadline], T]
 
 # One MSET carries at most this many value bytes (a larger value goes alone). The server holds
 # a whole command before it runs it, and frees the values it replaces only then: one MSET of a
@@ -64,8 +62,6 @@ class _Connection(Protocol):
 # values it has just replaced. Measured against one MSET per 64 MiB: a put of 2 MiB x 4 or x 16
 # cost the server 10-20% less CPU (page faults: ~10-50 per put instead of 250-1,800).
 MAX_COMMAND_BYTES = 4 * 1024 * 1024
-# Buffers one sendmsg takes (the kernel's limit, 1024 on Linux).
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 # A put hands its bytes to the socket in sends of about this many payload bytes: large enough
 # that a send is not a wake-up of the server per small value, small enough that the next
 # values are hashed while the server reads these (and that a value hashed is still in the
@@ -73,19 +69,66 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 _SEND_EVERY = 1024 * 1024
 # Below this, pieces of a command are joined into one buffer (one send, not many).
 _JOIN_BELOW = 16 * 1024
+# The largest payload a get reads by default (a KV block is 0.5-2.5 MiB in practice).
+DEFAULT_MAX_VALUE_BYTES = 64 * 1024 * 1024
+# timeout_s beyond this is a configuration mistake, not a deadline.
+MAX_TIMEOUT_S = 3600.0
+# Error replies after which the server is left alone for retry_after_s: it says it cannot
+# serve now (loading its data, its primary down, a script running).
+_BACK_OFF = {"LOADING", "MASTERDOWN", "BUSY", "TRYAGAIN"}
+# The commands a store sends (what an ACL user needs: see acl_rule).
+COMMANDS = ("mget", "mset", "exists", "unlink", "ping")
+
+
+class _Refused(Exception):
+    """The server refused the connection's AUTH or SELECT."""
+
+
+class _Held:
+    """The store's connection, held apart from the store: its finalizer closes the socket
+    of a store dropped without ``close()`` without keeping the store alive."""
+
+    __slots__ = ("link", "lock")
+
+    def __init__(self) -> None:
+        self.link: Link | None = None
+        self.lock = threading.Lock()  # between the caller's thread and close()'s shutdown
+
+    def set(self, link: Link) -> None:
+        with self.lock:
+            self.link = link
+
+    def close(self) -> None:
+        with self.lock:
+            link, self.link = self.link, None
+            if link is not None:
+                link.close()
+
+    def shutdown(self) -> None:
+        with self.lock:
+            if self.link is not None and self.link.pid == os.getpid():
+                self.link.shutdown()
 
 
 class ValkeyStore:
     """Blocks on a Valkey/Redis server at ``url``, under ``namespace``.
 
-    ``url``: ``valkey://`` or ``redis://host:port/db`` (``valkeys://``/``rediss://`` for TLS,
-    ``unix:///path``), user and password in it if needed. ``namespace``: what the blocks'
-    bytes depend on (a :class:`Namespace`, or the str or mapping to make one from).
-    ``timeout_s``: how long one socket operation (connect, send, receive) may wait.
+    ``url``: ``valkey://`` or ``redis://[user:password@]host:port/db``, ``valkeys://`` /
+    ``rediss://`` for TLS, ``unix:///path``; its options: :mod:`kvoffload.tiers.address`.
+    ``namespace``: what the blocks' bytes depend on (a :class:`Namespace`, or the str or
+    mapping to make one from). ``secret``: the tenant's secret (at least 16 bytes; without
+    one, ``$KVOFFLOAD_REMOTE_SECRET`` if set): values are then sealed and the server keys
+    derived from it (:class:`~kvoffload.tiers.values.SealedFormat`), so that nobody without
+    it can forge a value this store accepts or tell which prefixes it holds.
+    ``timeout_s``: the most one call may take, all of it (connect, sends, receives).
     ``retry_after_s``: how long the server stays marked down after a failure.
+    ``max_value_bytes``: the largest payload ``get`` reads (a larger value is refused
+    unread; ``get_into`` reads at most its buffers' sizes) and ``put`` accepts.
+    ``tls_ca_file``, ``tls_verify``: TLS options (over the URL's own).
 
     Nothing connects here: a server down at start is found, counted and survived by the
-    first call. Thread-safe: calls from several threads take turns on the one connection.
+    first call. Thread-safe: calls from several threads take turns on the one connection;
+    ``close()`` from another thread ends a call in flight at once.
     """
 
     def __init__(
@@ -93,47 +136,54 @@ class ValkeyStore:
         url: str,
         *,
         namespace: str | Mapping[str, Any] | Namespace,
+        secret: bytes | str | None = None,
         timeout_s: float = 0.5,
         retry_after_s: float = 1.0,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        tls_ca_file: str | None = None,
+        tls_verify: bool | None = None,
     ) -> None:
-        if not isinstance(url, str):
-            raise InvalidArgumentError(f"url must be a str; got {type(url).__name__}")
         for name, value in (("timeout_s", timeout_s), ("retry_after_s", retry_after_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidArgumentError(f"{name} must be a number of seconds")
-        if not 0 < timeout_s < float("inf"):
-            raise InvalidArgumentError(f"timeout_s must be positive and finite; got {timeout_s}")
-        if not 0 <= retry_after_s < float("inf"):
-            raise InvalidArgumentError(f"retry_after_s must be >= 0; got {retry_after_s}")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise InvalidArgumentError(
+                f"timeout_s must be over 0 and at most {MAX_TIMEOUT_S:g} s; got {timeout_s}"
+            )
+        if not 0 <= retry_after_s <= MAX_TIMEOUT_S:
+            raise InvalidArgumentError(
+                f"retry_after_s must be 0 to {MAX_TIMEOUT_S:g} s; got {retry_after_s}"
+            )
+        limit = MAX_VALUE_BYTES - 2 * MAX_KEY_BYTES
+        if (
+            isinstance(max_value_bytes, bool)
+            or not isinstance(max_value_bytes, int)
+            or not 0 < max_value_bytes <= limit
+        ):
+            raise InvalidArgumentError(
+                f"max_value_bytes must be an int from 1 to {limit}; got {max_value_bytes!r}"
+            )
+        self._address = ServerAddress.parse(url, tls_ca_file=tls_ca_file, tls_verify=tls_verify)
         self._namespace = Namespace.of(namespace)
+        self._format = make_format(self._namespace, resolve_secret(secret))
         try:
-            options: dict[str, Any] = parse_url(url)
-        except ValueError as error:
-            raise InvalidArgumentError(f"not a Valkey/Redis URL: {url!r} ({error})") from None
-        connection_class = options.pop("connection_class", valkey.Connection)
-        options.update(
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=None,
-            retry_on_error=None,
-            retry_on_timeout=False,
-            health_check_interval=0,
-            client_name="kvoffload",
-        )
-        self._url = url
+            self._tls = tls_context(self._address) if self._address.tls else None
+        except (OSError, ValueError) as error:  # a CA file that holds no certificate
+            raise InvalidArgumentError(
+                f"TLS for {self._address.url!r}: {type(error).__name__}: {error}"
+            ) from None
         self._timeout_s = float(timeout_s)
         self._retry_after_s = float(retry_after_s)
-        self._make_connection: Callable[[], _Connection] = lambda: cast(
-            _Connection, connection_class(**options)
-        )
-        self._connection: _Connection | None = None
-        self._pid = os.getpid()
+        self._max_value_bytes = max_value_bytes
+        self._held = _Held()
+        self._finalizer = weakref.finalize(self, self._held.close)
         self._closed = False
         self._down_until = 0.0
         self._io = threading.Lock()
         self._counting = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._last_error: str | None = None
+        self._scratch = bytearray()  # where get_into reads a value before checking it
 
     # -- the surface ---------------------------------------------------------------------
 
@@ -143,35 +193,56 @@ class ValkeyStore:
 
     @property
     def url(self) -> str:
-        return self._url
+        """The URL, its password replaced by ``***``."""
+        return self._address.url
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether values are sealed with a secret (``False``: the plain format)."""
+        return self._format.authenticated
+
+    @property
+    def key_prefix(self) -> str:
+        """What every server key of this store starts with: ``kvo2:<tenant id hex>:`` with
+        a secret, ``kvo1:<namespace fingerprint hex>:`` without (an ACL's key pattern)."""
+        return self._format.key_prefix.decode("ascii")
 
     def get(self, keys: Sequence[Hashable]) -> list[memoryview | None]:
-        """The payload stored under each key, or ``None``: views into the reply, no copy."""
+        """The payload stored under each key, or ``None``: read-only views, each into a
+        buffer of its own (no copy after the socket's)."""
         encoded = self._keys(keys)
-        return self._read(encoded)
+        found: list[memoryview | None] = [None] * len(encoded)
+        limits = [self._format.header_bytes(key) + self._max_value_bytes for key in encoded]
+
+        def accept(index: int, payload: memoryview) -> bool:
+            found[index] = payload.toreadonly()
+            return True
+
+        self._read(encoded, limits, None, accept)
+        return found
 
     def get_into(self, keys: Sequence[Hashable], buffers: Sequence[WritableBuffer]) -> list[bool]:
         """Copy each key's payload into its buffer, only if it is valid and exactly the
-        buffer's size; ``False`` leaves that buffer untouched."""
+        buffer's size; ``False`` leaves that buffer untouched. No more than each buffer's
+        size plus the value's header is read from the server."""
         encoded = self._keys(keys)
         targets = self._buffers(buffers, len(encoded))
-        found = self._read(encoded)
-        done: list[bool] = []
-        copied = 0
-        for payload, target in zip(found, targets, strict=True):
-            if payload is not None and payload.nbytes == target.nbytes:
-                target[:] = payload
-                copied += payload.nbytes
-                done.append(True)
-            else:
-                done.append(False)
-        # A valid value of another size: the namespace did not describe the block size.
-        mismatched = sum(
-            1 for payload, ok in zip(found, done, strict=True) if payload is not None and not ok
-        )
-        self._count(
-            bytes_copied=copied, hits=-mismatched, rejected=mismatched, rejected_length=mismatched
-        )
+        done = [False] * len(encoded)
+        limits = [
+            self._format.header_bytes(key) + target.nbytes
+            for key, target in zip(encoded, targets, strict=True)
+        ]
+
+        def accept(index: int, payload: memoryview) -> bool:
+            target = targets[index]
+            if payload.nbytes != target.nbytes:
+                return False  # valid, another size: the namespace did not describe the block
+            target[:] = payload
+            done[index] = True
+            return True
+
+        copied = self._read(encoded, limits, max(limits, default=0), accept)
+        self._count(bytes_copied=copied)
         return done
 
     def put(self, keys: Sequence[Hashable], values: Sequence[Payload]) -> list[bool]:
@@ -190,21 +261,39 @@ class ValkeyStore:
                 f"put got {len(encoded)} keys and {len(values)} values; give one value per key"
             )
         payloads = [as_payload(value, f"the value for key #{i}") for i, value in enumerate(values)]
-        self._count(put_calls=1, keys_offered=len(encoded))
+        for i, payload in enumerate(payloads):
+            if payload.nbytes > self._max_value_bytes:
+                raise InvalidArgumentError(
+                    f"the value for key #{i} holds {payload.nbytes} bytes, over this store's "
+                    f"max_value_bytes ({self._max_value_bytes}): no get would read it back"
+                )
         if not encoded:
+            self._count(put_calls=1)
             return []
         spans = _batches(payloads)
-        replies = self._exchange(lambda: self._mset_sends(encoded, payloads, spans), len(spans))
+        names = [self._format.server_key(key) for key in encoded]
+
+        def read(link: Link, deadline: Deadline) -> list[bool]:
+            replies = [link.reply(deadline) for _ in spans]
+            self._error_replies(replies)
+            return [_acknowledged(reply) for reply in replies]
+
+        acknowledged = self._call(
+            lambda: self._mset_sends(encoded, names, payloads, spans),
+            read,
+            Deadline(self._timeout_s),
+        )
         stored: list[bool] = []
         sent = 0
-        for (start, stop), reply in zip(spans, replies or [None] * len(spans), strict=True):
-            ok = reply in (b"OK", "OK", True)
+        for (start, stop), ok in zip(spans, acknowledged or [False] * len(spans), strict=True):
             stored.extend([ok] * (stop - start))
             if ok:
                 sent += sum(payload.nbytes for payload in payloads[start:stop])
         good = sum(stored)
         joined = sum(payload.nbytes for payload in payloads if payload.nbytes < _JOIN_BELOW)
         self._count(
+            put_calls=1,
+            keys_offered=len(encoded),
             keys_stored=good,
             keys_not_stored=len(stored) - good,
             bytes_sent=sent,
@@ -214,25 +303,26 @@ class ValkeyStore:
 
     def contains(self, keys: Sequence[Hashable]) -> list[bool]:
         """Whether the server has a value under each key (not checked: a hint)."""
-        encoded = self._keys(keys)
+        found = self._per_key(b"EXISTS", self._keys(keys))
         self._count(contains_calls=1)
-        replies = self._per_key(b"EXISTS", encoded)
-        return [reply == 1 for reply in replies]
+        return found
 
     def delete(self, keys: Sequence[Hashable]) -> list[bool]:
         """Remove each key's value; ``True`` where one was there and is gone now."""
-        encoded = self._keys(keys)
-        self._count(delete_calls=1)
-        replies = self._per_key(b"UNLINK", encoded)
-        removed = [reply == 1 for reply in replies]
-        self._count(keys_deleted=sum(removed))
+        removed = self._per_key(b"UNLINK", self._keys(keys))
+        self._count(delete_calls=1, keys_deleted=sum(removed))
         return removed
 
     def ping(self) -> bool:
         """Whether the server answers now (a failure is counted like any other)."""
         self._check_open()
-        replies = self._exchange(_once([b"*1\r\n$4\r\nPING\r\n"]), 1)
-        return replies is not None and replies[0] in (b"PONG", "PONG", True)
+
+        def read(link: Link, deadline: Deadline) -> bool:
+            reply = link.reply(deadline)
+            self._error_replies([reply])
+            return reply == b"PONG"
+
+        return bool(self._call(_once(pack(b"PING", [])), read, Deadline(self._timeout_s)))
 
     def stats(self) -> RemoteStats:
         with self._counting:
@@ -240,10 +330,17 @@ class ValkeyStore:
             return RemoteStats(**self._counts, server_down=down, last_error=self._last_error)
 
     def close(self) -> None:
-        """Drop the connection; further calls raise :class:`StoreClosedError`."""
-        with self._io:
-            self._closed = True
-            self._drop()
+        """Drop the connection; further calls raise :class:`StoreClosedError`. Called from
+        another thread, it does not wait for a call in flight: that call's connection is
+        shut down, so it ends at once (its keys unavailable)."""
+        self._closed = True
+        self._held.shutdown()
+        if self._io.acquire(blocking=False):
+            try:
+                self._held.close()
+            finally:
+                self._io.release()
+        # else the call in flight closes the connection as it ends
 
     def __enter__(self) -> ValkeyStore:
         return self
@@ -252,9 +349,10 @@ class ValkeyStore:
         self.close()
 
     def __repr__(self) -> str:
+        sealed = ", sealed" if self.authenticated else ""
         return (
-            f"ValkeyStore({self._url!r}, namespace={self._namespace.description!r}, "
-            f"timeout_s={self._timeout_s})"
+            f"ValkeyStore({self.url!r}, namespace={self._namespace.description!r}, "
+            f"timeout_s={self._timeout_s}{sealed})"
         )
 
     # -- arguments -----------------------------------------------------------------------
@@ -270,8 +368,7 @@ class ValkeyStore:
                 f"keys must be a sequence of block keys (a list or tuple); "
                 f"got {type(keys).__name__}"
             )
-        prefix = self._namespace.key_prefix
-        return [prefix + encode_key(key) for key in keys]
+        return [encode_key(key) for key in keys]
 
     @staticmethod
     def _buffers(buffers: Sequence[WritableBuffer], count: int) -> list[memoryview]:
@@ -291,73 +388,118 @@ class ValkeyStore:
 
     # -- commands ------------------------------------------------------------------------
 
-    def _read(self, encoded: list[bytes]) -> list[memoryview | None]:
-        self._count(get_calls=1, keys_requested=len(encoded))
-        if not encoded:
-            return []
-        replies = self._exchange(_once(_pack(b"MGET", encoded)), 1)
-        if replies is None:
-            self._count(unavailable=len(encoded))
-            return [None] * len(encoded)
-        values = replies[0]
-        if not isinstance(values, list) or len(values) != len(encoded):
-            with self._io:  # out of step with the server: drop the connection
-                self._fail("server_errors", f"MGET answered {type(values).__name__}")
-            self._count(unavailable=len(encoded))
-            return [None] * len(encoded)
-        found: list[memoryview | None] = []
-        counts: dict[str, int] = {"hits": 0, "misses": 0, "rejected": 0, "bytes_received": 0}
-        prefix = len(self._namespace.key_prefix)
-        for key, value in zip(encoded, values, strict=True):
-            if value is None:
-                counts["misses"] += 1
-                found.append(None)
-                continue
-            payload = payload_of(self._namespace, key[prefix:], value)
-            if isinstance(payload, Rejection):
-                counts["rejected"] += 1
-                name = f"rejected_{payload.value}"
-                counts[name] = counts.get(name, 0) + 1
-                found.append(None)
-            else:
-                counts["hits"] += 1
-                counts["bytes_received"] += payload.nbytes
-                found.append(payload.toreadonly())
-        self._count(**counts)
-        return found
+    def _read(
+        self,
+        encoded: list[bytes],
+        limits: list[int],
+        scratch: int | None,
+        accept: Callable[[int, memoryview], bool],
+    ) -> int:
+        """``MGET`` the keys; each valid payload goes to ``accept(index, payload)`` (a view
+        valid only during the call: into ``scratch`` bytes reused, when given), which says
+        whether it was taken. Counts everything once, at the end. Returns the bytes taken.
 
-    def _per_key(self, verb: bytes, encoded: list[bytes]) -> list[object]:
+        A value longer than its key's limit is refused unread: the connection is dropped (its
+        bytes are never read) and the keys after it are asked again on a new connection,
+        within the same deadline.
+        """
+        counts: Counter[str] = Counter(get_calls=1, keys_requested=len(encoded))
+        names = [self._format.server_key(key) for key in encoded]
+        deadline = Deadline(self._timeout_s)
+        if scratch is not None and len(self._scratch) < scratch:
+            self._scratch = bytearray(scratch)
+        into = None if scratch is None else self._scratch
+        position = [0]  # the next key to ask for, moved on by each key's answer
+        taken = 0
+
+        def read(link: Link, deadline: Deadline) -> None:
+            nonlocal taken
+            count = link.array_header(deadline)
+            if isinstance(count, ErrorReply):
+                self._error_replies([count])
+                raise _Answered
+            if count != len(encoded) - position[0]:
+                raise ProtocolError(f"MGET of {len(encoded) - position[0]} keys answered {count}")
+            for index in range(position[0], len(encoded)):
+                value = link.bulk(deadline, limits[index], into)
+                position[0] = index + 1
+                if isinstance(value, Oversized):
+                    counts["rejected"] += 1
+                    counts["rejected_length"] += 1
+                    self._held.close()  # its bytes stay unread: the connection goes with them
+                    return
+                if value is None:
+                    counts["misses"] += 1
+                    continue
+                payload = self._format.payload_of(encoded[index], value)
+                if isinstance(payload, Rejection):
+                    counts["rejected"] += 1
+                    counts[f"rejected_{payload.value}"] += 1
+                elif accept(index, payload):
+                    counts["hits"] += 1
+                    counts["bytes_received"] += payload.nbytes
+                    taken += payload.nbytes
+                else:
+                    counts["rejected"] += 1
+                    counts["rejected_length"] += 1
+
+        try:
+            while position[0] < len(encoded):
+                first = position[0]
+                sends = _once(pack(b"MGET", names[first:]))
+                if self._call(sends, read, deadline, answered=True) is _FAILED:
+                    break
+        finally:
+            counts["unavailable"] += len(encoded) - position[0]
+            self._count(**counts)
+        return taken
+
+    def _per_key(self, verb: bytes, encoded: list[bytes]) -> list[bool]:
         if not encoded:
             return []
-        command = [b"".join(_pack(verb, [key])[0] for key in encoded)]
-        replies = self._exchange(_once(command), len(encoded))
-        return [None] * len(encoded) if replies is None else replies
+        command = b"".join(pack(verb, [self._format.server_key(key)]) for key in encoded)
+
+        def read(link: Link, deadline: Deadline) -> list[bool]:
+            replies = [link.reply(deadline) for _ in encoded]
+            self._error_replies(replies)
+            for reply in replies:
+                if not isinstance(reply, (int, ErrorReply)):
+                    raise ProtocolError(f"{verb.decode()} answered {reply!r:.40}")
+            return [reply == 1 for reply in replies]
+
+        found = self._call(_once(command), read, Deadline(self._timeout_s))
+        return [False] * len(encoded) if found is None else found
 
     def _mset_sends(
-        self, keys: list[bytes], payloads: list[memoryview], spans: list[tuple[int, int]]
+        self,
+        keys: list[bytes],
+        names: list[bytes],
+        payloads: list[memoryview],
+        spans: list[tuple[int, int]],
     ) -> Iterator[list[bytes | memoryview]]:
         """One ``MSET`` per span, its values going out as header, then the caller's buffer
         (no copy), handed to the socket every ``_SEND_EVERY`` payload bytes.
 
-        A header holds the payload's checksum, so it is made just before its payload is
-        sent: while the server reads what was handed over, the next headers are made. Made
-        all first, the hashing would be time the server waits (several percent of a put).
+        A header holds the payload's checksum or tag, so it is made just before its payload
+        is sent: while the server reads what was handed over, the next headers are made.
+        Made all first, the hashing would be time the server waits (several percent of a put).
         """
-        namespace = self._namespace
-        prefix = len(namespace.key_prefix)
+        header = self._format.header
         for start, stop in spans:
             pieces = [b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * (stop - start))]
             chunks: list[bytes | memoryview] = []
             pending = 0
-            for key, payload in zip(keys[start:stop], payloads[start:stop], strict=True):
-                head = header(namespace, key[prefix:], payload)
+            for key, name, payload in zip(
+                keys[start:stop], names[start:stop], payloads[start:stop], strict=True
+            ):
+                head = header(key, payload)
                 size = len(head) + payload.nbytes
                 if payload.nbytes < _JOIN_BELOW:
                     pieces.append(
-                        b"$%d\r\n%s\r\n$%d\r\n%s%s\r\n" % (len(key), key, size, head, payload)
+                        b"$%d\r\n%s\r\n$%d\r\n%s%s\r\n" % (len(name), name, size, head, payload)
                     )
                     continue
-                pieces.append(b"$%d\r\n%s\r\n$%d\r\n%s" % (len(key), key, size, head))
+                pieces.append(b"$%d\r\n%s\r\n$%d\r\n%s" % (len(name), name, size, head))
                 chunks.append(b"".join(pieces))
                 chunks.append(payload)
                 pieces = [b"\r\n"]
@@ -368,139 +510,150 @@ class ValkeyStore:
             chunks.append(b"".join(pieces))
             yield chunks
 
-    def _exchange(self, sends: _Sends, replies: int) -> list[Any] | None:
-        """Send what ``sends()`` yields, read ``replies`` replies; ``None`` on any failure
-        (counted).
+    # -- the connection ------------------------------------------------------------------
+
+    def _call(
+        self, sends: _Sends, read: _Read[T], deadline: Deadline, *, answered: bool = False
+    ) -> T | None:
+        """Send what ``sends()`` yields, then ``read`` the replies, before ``deadline``;
+        ``None`` on any failure (counted; with ``answered``, an error reply too, as
+        ``_FAILED``, told apart from a ``read`` that returns ``None``).
 
         A connection that served earlier calls may have died since (the server restarted,
-        an idle connection was closed): the first use finds it reset or closed. That is no
-        news about the server now, so the call is sent once more on a new connection, and
-        only what that second attempt meets counts as the call's failure. Every command sent
-        here is idempotent (``MSET`` of the same values, ``MGET``, ``EXISTS``, ``UNLINK``,
-        ``PING``), and the second attempt reads only its own connection's replies, so
-        nothing of the first can be taken for an answer. A timeout is never sent again (a
-        stalled server would cost two), nor a call on a connection opened by this very call.
+        an idle connection was closed): the first use finds it reset or closed before any
+        byte of a reply came. That is no news about the server now, so the call is sent once
+        more on a new connection, and only what that second attempt meets counts as the
+        call's failure. Every command sent here is idempotent (``MSET`` of the same values,
+        ``MGET``, ``EXISTS``, ``UNLINK``, ``PING``), and the second attempt reads only its
+        own connection's replies. A timeout is never sent again (a stalled server would cost
+        two), nor a call on a connection opened by this very call.
         """
+        failed: Any = _FAILED if answered else None
         with self._io:
-            self._check_open()
-            if time.monotonic() < self._down_until:
-                self._count(skipped=1)
-                return None
-            connection = self._connection
-            reused = (
-                connection is not None and connection._sock is not None
-            ) and self._pid == os.getpid()
             try:
+                self._check_open()
+                if time.monotonic() < self._down_until:
+                    self._count(skipped=1)
+                    return failed  # type: ignore[no-any-return]
+                link, opened = self._connected(deadline)
+                received_before = link.received
                 try:
-                    return self._send_and_read(sends, replies)
-                except (valkey.ConnectionError, OSError) as error:
-                    if not reused or isinstance(error, (valkey.TimeoutError, TimeoutError)):
+                    return self._attempt(link, sends, read, deadline)
+                except (ConnectionResetError, BrokenPipeError, ServerClosed) as error:
+                    if opened or link.received != received_before or self._closed:
                         raise
-                    self._drop()
+                    self._held.close()
                     with self._counting:
                         self._counts["retries"] += 1
                         self._last_error = f"retried: {_describe(error)}"
-                    return self._send_and_read(sends, replies)
-            except valkey.TimeoutError as error:
-                self._fail("timeouts", error)
-            except (valkey.ConnectionError, OSError) as error:
-                self._fail("connection_errors", error)
-            except valkey.ValkeyError as error:
+                    link, _ = self._connected(deadline)
+                    return self._attempt(link, sends, read, deadline)
+            except _Answered:
+                return failed  # type: ignore[no-any-return]
+            except _Refused as error:
                 self._fail("server_errors", error)
-            return None
+            except ProtocolError as error:
+                self._fail("protocol_errors", error)
+            except TimeoutError as error:
+                self._fail("timeouts", error)
+            except OSError as error:  # refused, reset, closed; TLS errors too
+                self._fail("connection_errors", error)
+            except BaseException:
+                # Not the server's doing (an interrupt, a signal handler's exception, a bug):
+                # a command may be half sent, so the connection goes; the exception is the
+                # caller's.
+                self._held.close()
+                raise
+            finally:
+                if self._closed:
+                    self._held.close()
+            return failed  # type: ignore[no-any-return]
 
-    def _send_and_read(self, sends: _Sends, replies: int) -> list[Any]:
-        connection = self._connected()
+    @staticmethod
+    def _attempt(link: Link, sends: _Sends, read: _Read[T], deadline: Deadline) -> T:
         for chunks in sends():
-            _send(connection, chunks)
-        answers: list[Any] = []
-        for _ in range(replies):
-            try:
-                answers.append(connection.read_response(disconnect_on_error=True))
-            except valkey.ResponseError as error:
-                # The error reply was read whole: the stream is still in step.
-                answers.append(error)
-                self._fail("server_errors", error, down=False)
-        return answers
+            link.send(chunks, deadline)
+        return read(link, deadline)
 
-    def _connected(self) -> _Connection:
-        if self._pid != os.getpid():  # forked: the parent's socket is not ours to use
-            self._connection = None
-            self._pid = os.getpid()
-        if self._connection is None:
-            self._connection = self._make_connection()
-        connection = self._connection
-        if connection._sock is None:
-            connection.connect()
-            self._count(connects=1)
-        return connection
+    def _connected(self, deadline: Deadline) -> tuple[Link, bool]:
+        """The connection, and whether it was opened now (and authenticated, and its
+        database selected: pipelined, before the call's command)."""
+        link = self._held.link
+        if link is not None and link.pid == os.getpid():
+            return link, False
+        if link is not None:  # forked: the parent's socket is not ours to use, nor to shut
+            self._held.close()
+        link = Link.open(self._address, deadline, self._tls)
+        self._held.set(link)
+        self._count(connects=1)
+        address = self._address
+        setup: list[bytes] = []
+        if address.password is not None:
+            credentials = [address.password.encode()]
+            if address.username:
+                credentials.insert(0, address.username.encode())
+            setup.append(pack(b"AUTH", credentials))
+        if address.db:
+            setup.append(pack(b"SELECT", [b"%d" % address.db]))
+        if setup:
+            link.send([b"".join(setup)], deadline)
+            for command in setup:
+                reply = link.reply(deadline)
+                if isinstance(reply, ErrorReply):
+                    verb = command.split(b"\r\n")[2].decode()
+                    raise _Refused(f"{verb} refused: {reply.message}")
+                if reply != b"OK":
+                    raise ProtocolError(f"{reply!r:.40} where OK was expected")
+        return link, True
 
-    def _drop(self) -> None:
-        if self._connection is not None:
-            self._connection.disconnect()
-
-    def _fail(self, counter: str, error: BaseException | str, *, down: bool = True) -> None:
-        if down:
-            self._drop()
+    def _error_replies(self, replies: Sequence[Reply]) -> None:
+        """Count the call's error replies as one failure (the stream is in step: the
+        connection stays); after one that says the server cannot serve now, back off."""
+        errors = [reply for reply in replies if isinstance(reply, ErrorReply)]
+        if not errors:
+            return
+        if any(error.kind in _BACK_OFF for error in errors):
             self._down_until = time.monotonic() + self._retry_after_s
+        self._note_failure("server_errors", f"{errors[0].kind}: {errors[0].message}")
+
+    def _fail(self, counter: str, error: BaseException) -> None:
+        self._held.close()
+        self._down_until = time.monotonic() + self._retry_after_s
+        self._note_failure(counter, _describe(error))
+
+    def _note_failure(self, counter: str, description: str) -> None:
         with self._counting:
             self._counts["failures"] += 1
             self._counts[counter] += 1
-            self._last_error = f"{counter}: {_describe(error)}"
+            self._last_error = f"{counter}: {description}"
 
     def _count(self, **deltas: int) -> None:
         with self._counting:
             self._counts.update(deltas)
 
 
-def _send(connection: _Connection, chunks: Sequence[bytes | memoryview]) -> None:
-    """Send ``chunks`` with as few system calls as the socket allows.
-
-    The client's own send makes one ``sendall`` per chunk: a put of 128 blocks is 257 system
-    calls, and as many TCP segments (its sockets set ``TCP_NODELAY``), each one a wake-up
-    and a read for the server. One ``sendmsg`` takes up to ``IOV_MAX`` buffers, the payloads
-    still sent from the caller's memory. TLS sockets have no ``sendmsg``: they keep the
-    client's send.
-    """
-    sock = connection._sock
-    if isinstance(sock, ssl.SSLSocket) or not isinstance(sock, socket.socket):
-        connection.send_packed_command(chunks, check_health=False)
-        return
-    try:
-        _send_gathered(sock, [memoryview(chunk) for chunk in chunks])
-    except TimeoutError:  # socket.timeout: as the client reports it, the connection dropped
-        connection.disconnect()
-        raise valkey.TimeoutError("Timeout writing to socket") from None
-    except OSError as error:
-        connection.disconnect()
-        raise valkey.ConnectionError(f"Error while writing to socket: {error}") from None
+class _Answered(Exception):
+    """An error reply answered the whole command (counted already; the stream in step)."""
 
 
-def _send_gathered(sock: socket.socket, views: list[memoryview]) -> None:
-    """``sendall`` of the concatenation of ``views``, without concatenating them."""
-    first = 0
-    while first < len(views):
-        sent = sock.sendmsg(views[first : first + _IOV_MAX])
-        # A short send stops anywhere: drop the buffers sent whole, cut the one sent in part.
-        while first < len(views) and sent >= views[first].nbytes:
-            sent -= views[first].nbytes
-            first += 1
-        if sent:
-            views[first] = views[first][sent:]
+_FAILED: Any = object()
+
+
+def _acknowledged(reply: Reply) -> bool:
+    if isinstance(reply, ErrorReply):
+        return False
+    if reply != b"OK":
+        raise ProtocolError(f"MSET answered {reply!r:.40}")
+    return True
 
 
 def _describe(error: BaseException | str) -> str:
-    return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return text[:300]
 
 
-def _once(chunks: Sequence[bytes | memoryview]) -> _Sends:
-    return lambda: (chunks,)
-
-
-def _pack(verb: bytes, args: list[bytes]) -> list[bytes]:
-    pieces = [b"*%d\r\n$%d\r\n%s\r\n" % (1 + len(args), len(verb), verb)]
-    pieces.extend(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in args)
-    return [b"".join(pieces)]
+def _once(command: bytes) -> _Sends:
+    return lambda: ((command,),)
 
 
 def _batches(payloads: list[memoryview]) -> list[tuple[int, int]]:
@@ -514,3 +667,21 @@ def _batches(payloads: list[memoryview]) -> list[tuple[int, int]]:
         size += payload.nbytes
     spans.append((start, len(payloads)))
     return spans
+
+
+def acl_rule(user: str, password: str, key_prefix: str, *, db: int = 0) -> str:
+    """The ``ACL SETUSER`` line of a least-privilege user for one tenant: on with
+    ``password`` (stored as its SHA-256, so the line does not show it), only keys under
+    ``key_prefix`` (a store's ``key_prefix``), no channels, and only the commands a store
+    sends (``SELECT`` too with a ``db`` other than 0)."""
+    for name, value in (("user", user), ("password", password), ("key_prefix", key_prefix)):
+        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+            raise InvalidArgumentError(f"{name} must be a non-empty str without spaces")
+    if any(c in key_prefix for c in "*?[]\\"):
+        raise InvalidArgumentError("key_prefix holds a glob character")
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    commands = " ".join(f"+{command}" for command in (*COMMANDS, *(("select",) if db else ())))
+    return f"ACL SETUSER {user} reset on #{digest} ~{key_prefix}* resetchannels -@all {commands}"
+
+
+__all__ = ["COMMANDS", "DEFAULT_MAX_VALUE_BYTES", "ValkeyStore", "acl_rule", "redact"]

@@ -91,6 +91,8 @@ MAX_KEY_BYTES = 4096
 # Valkey and Redis refuse a bulk string over 512 MiB (proto-max-bulk-len).
 MAX_VALUE_BYTES = 512 * 1024 * 1024
 KEY_PREFIX = b"kvo1:"
+# An int key of more bits (4,215 digits) could never fit in MAX_KEY_BYTES anyway.
+_MAX_INT_BITS = 14_000
 
 
 class Rejection(enum.Enum):
@@ -185,7 +187,13 @@ def _encode(key: object, depth: int) -> bytes:
         parts = [_encode(part, depth + 1) for part in key]
         return b"t" + b"".join(b"%d:%s" % (len(part), part) for part in parts)
     if hasattr(type(key), "__index__"):
-        return b"i%d" % operator.index(cast(SupportsIndex, key))
+        number = operator.index(cast(SupportsIndex, key))
+        # Refused before it is written out: past 4,300 digits Python refuses to (ValueError).
+        if number.bit_length() > _MAX_INT_BITS:
+            raise InvalidArgumentError(
+                f"a remote int key has {number.bit_length()} bits; at most {_MAX_INT_BITS}"
+            )
+        return b"i%d" % number
     raise InvalidArgumentError(
         "a remote block key must be an int, str, bytes or a tuple of them; "
         f"got {type(key).__name__}"
