@@ -35,9 +35,12 @@ def assert_accounted(stats: RemoteStats) -> None:
         + stats.rejected_wrong_key
         + stats.rejected_length
         + stats.rejected_checksum
+        + stats.rejected_mac
     )
     assert stats.keys_stored + stats.keys_not_stored == stats.keys_offered
-    assert stats.failures == stats.timeouts + stats.connection_errors + stats.server_errors, stats
+    assert stats.failures == (
+        stats.timeouts + stats.connection_errors + stats.server_errors + stats.protocol_errors
+    ), stats
 
 
 BLOCK_BYTES = 4096

@@ -594,7 +594,7 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
     if args.json:
         _print_json(shared.to_json())
     else:
-        _show_shared_simulation(trace, shared, args.remote)
+        _show_shared_simulation(trace, shared, shared.remote_url)
     tally = shared.total.remote
     if tally is not None and tally.failures:
         _warn(

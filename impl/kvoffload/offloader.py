@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -218,6 +219,9 @@ class Offloader:
             from kvoffload.tiers.background import RemoteTier
 
             self._remote = RemoteTier(remote, max_pending=remote_max_pending)
+            # Dropped without close(): the worker is stopped all the same (it holds the tier,
+            # the tier the store; once it ends, the store's own finalizer closes its socket).
+            self._stop_remote = weakref.finalize(self, self._remote.close)
 
     @property
     def block_size_factor(self) -> int:
@@ -444,7 +448,7 @@ class Offloader:
                 # Writes hold copies of their own, not the pool: let them go out (each
                 # bounded by the store's timeout), then stop the worker.
                 self._wait_all([], list(self._puts.values()), timeout)
-                self._remote.close()
+                self._stop_remote()
             self._poll()
             self.engine.close()
 

@@ -233,8 +233,9 @@ def simulate_shared(
     for store in stores:
         store.close()
     first_uses = len({block for request in requests for block in request})
+    shown = stores[0].url if stores else None  # its password replaced by ***
     sealed = bool(stores) and stores[0].authenticated
-    return SharedSimulationReport(trace.name, remote_url, reports, wall, first_uses, sealed)
+    return SharedSimulationReport(trace.name, shown, reports, wall, first_uses, sealed)
 
 
 @contextmanager

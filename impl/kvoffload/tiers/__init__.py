@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from kvoffload.tiers.secret import read_secret_file as read_secret_file
     from kvoffload.tiers.secret import resolve_secret as resolve_secret
     from kvoffload.tiers.valkey_store import ValkeyStore as ValkeyStore
-    from kvoffload.tiers.valkey_store import acl_rule as acl_rule
+    from kvoffload.tiers.acl import acl_rule as acl_rule
     from kvoffload.tiers.values import Namespace as Namespace
     from kvoffload.tiers.values import Rejection as Rejection
 
@@ -58,7 +58,7 @@ _LAZY: dict[str, str] = {
     "Namespace": "kvoffload.tiers.values",
     "Rejection": "kvoffload.tiers.values",
     "ValkeyStore": "kvoffload.tiers.valkey_store",
-    "acl_rule": "kvoffload.tiers.valkey_store",
+    "acl_rule": "kvoffload.tiers.acl",
     "SECRET_ENV": "kvoffload.tiers.secret",
     "read_secret_file": "kvoffload.tiers.secret",
     "resolve_secret": "kvoffload.tiers.secret",

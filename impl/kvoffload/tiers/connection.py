@@ -27,6 +27,7 @@ import os
 import re
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -278,6 +279,32 @@ class Link:
             raise ServerClosed("the server closed the connection")
         self._end += count
         self.received += count
+
+
+class HeldLink:
+    """A store's connection, held apart from the store: the store's finalizer closes the
+    socket of a store dropped without ``close()`` without keeping the store alive."""
+
+    __slots__ = ("link", "lock")
+
+    def __init__(self) -> None:
+        self.link: Link | None = None
+        self.lock = threading.Lock()  # between the caller's thread and close()'s shutdown
+
+    def set(self, link: Link) -> None:
+        with self.lock:
+            self.link = link
+
+    def close(self) -> None:
+        with self.lock:
+            link, self.link = self.link, None
+            if link is not None:
+                link.close()
+
+    def shutdown(self) -> None:
+        with self.lock:
+            if self.link is not None and self.link.pid == os.getpid():
+                self.link.shutdown()
 
 
 def send_gathered(

@@ -22,7 +22,6 @@ counted in ``retries``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
@@ -33,10 +32,12 @@ from typing import Any, TypeVar
 
 from kvoffload_spec.errors import InvalidArgumentError
 
+from .acl import COMMANDS, acl_rule
 from .address import ServerAddress, redact
 from .connection import (
     Deadline,
     ErrorReply,
+    HeldLink,
     Link,
     Oversized,
     ProtocolError,
@@ -76,38 +77,10 @@ MAX_TIMEOUT_S = 3600.0
 # Error replies after which the server is left alone for retry_after_s: it says it cannot
 # serve now (loading its data, its primary down, a script running).
 _BACK_OFF = {"LOADING", "MASTERDOWN", "BUSY", "TRYAGAIN"}
-# The commands a store sends (what an ACL user needs: see acl_rule).
-COMMANDS = ("mget", "mset", "exists", "unlink", "ping")
 
 
 class _Refused(Exception):
     """The server refused the connection's AUTH or SELECT."""
-
-
-class _Held:
-    """The store's connection, held apart from the store: its finalizer closes the socket
-    of a store dropped without ``close()`` without keeping the store alive."""
-
-    __slots__ = ("link", "lock")
-
-    def __init__(self) -> None:
-        self.link: Link | None = None
-        self.lock = threading.Lock()  # between the caller's thread and close()'s shutdown
-
-    def set(self, link: Link) -> None:
-        with self.lock:
-            self.link = link
-
-    def close(self) -> None:
-        with self.lock:
-            link, self.link = self.link, None
-            if link is not None:
-                link.close()
-
-    def shutdown(self) -> None:
-        with self.lock:
-            if self.link is not None and self.link.pid == os.getpid():
-                self.link.shutdown()
 
 
 class ValkeyStore:
@@ -175,7 +148,7 @@ class ValkeyStore:
         self._timeout_s = float(timeout_s)
         self._retry_after_s = float(retry_after_s)
         self._max_value_bytes = max_value_bytes
-        self._held = _Held()
+        self._held = HeldLink()
         self._finalizer = weakref.finalize(self, self._held.close)
         self._closed = False
         self._down_until = 0.0
@@ -667,21 +640,6 @@ def _batches(payloads: list[memoryview]) -> list[tuple[int, int]]:
         size += payload.nbytes
     spans.append((start, len(payloads)))
     return spans
-
-
-def acl_rule(user: str, password: str, key_prefix: str, *, db: int = 0) -> str:
-    """The ``ACL SETUSER`` line of a least-privilege user for one tenant: on with
-    ``password`` (stored as its SHA-256, so the line does not show it), only keys under
-    ``key_prefix`` (a store's ``key_prefix``), no channels, and only the commands a store
-    sends (``SELECT`` too with a ``db`` other than 0)."""
-    for name, value in (("user", user), ("password", password), ("key_prefix", key_prefix)):
-        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-            raise InvalidArgumentError(f"{name} must be a non-empty str without spaces")
-    if any(c in key_prefix for c in "*?[]\\"):
-        raise InvalidArgumentError("key_prefix holds a glob character")
-    digest = hashlib.sha256(password.encode()).hexdigest()
-    commands = " ".join(f"+{command}" for command in (*COMMANDS, *(("select",) if db else ())))
-    return f"ACL SETUSER {user} reset on #{digest} ~{key_prefix}* resetchannels -@all {commands}"
 
 
 __all__ = ["COMMANDS", "DEFAULT_MAX_VALUE_BYTES", "ValkeyStore", "acl_rule", "redact"]
