@@ -17,7 +17,7 @@ import valkey
 from kvoffload.integrations.sglang import KvoffloadHiCacheStorage
 from kvoffload.tiers.values import encode_key, value_format
 from kvoffload_spec.errors import InvalidArgumentError
-from tests.test_sglang_integration import PAGE, backend, pages, storage_config
+from tests.sglang_support import PAGE, LayerFirstHostPool, backend, pages, storage_config
 from tests.valkey_server import ValkeyServer, free_port
 
 SECRET = "the SGLang tenant's secret, 32 b"
@@ -121,8 +121,6 @@ def test_without_a_model_name_the_namespace_must_be_given() -> None:
     config = storage_config(extra)
     config.model_name = None
     storage = KvoffloadHiCacheStorage(config)
-    from tests.test_sglang_integration import LayerFirstHostPool
-
     with pytest.raises(InvalidArgumentError, match="remote_namespace"):
         storage.register_mem_pool_host(LayerFirstHostPool(tokens=4 * PAGE))
     named = KvoffloadHiCacheStorage(storage_config({**extra, "remote_namespace": "m@rev"}))
