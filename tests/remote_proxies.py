@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -67,7 +68,7 @@ class _Listener:
                 sock.close()
         self._acceptor.join(5)
 
-    def __enter__(self) -> _Listener:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from kvoffload.tiers.store import RemoteStats, RemoteStore, StoreClosedError
 
 if TYPE_CHECKING:
+    from kvoffload.tiers.acl import acl_rule as acl_rule
     from kvoffload.tiers.background import JobNotDoneError as JobNotDoneError
     from kvoffload.tiers.background import RemoteJob as RemoteJob
     from kvoffload.tiers.background import RemoteTier as RemoteTier
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from kvoffload.tiers.secret import read_secret_file as read_secret_file
     from kvoffload.tiers.secret import resolve_secret as resolve_secret
     from kvoffload.tiers.valkey_store import ValkeyStore as ValkeyStore
-    from kvoffload.tiers.acl import acl_rule as acl_rule
     from kvoffload.tiers.values import Namespace as Namespace
     from kvoffload.tiers.values import Rejection as Rejection
 
