@@ -23,9 +23,11 @@ from tests.valkey_server import ValkeyServer, free_port
 SECRET = "the SGLang tenant's secret, 32 b"
 
 
-def engine(url: str, **options: Any) -> tuple[KvoffloadHiCacheStorage, torch.Tensor]:
-    """A back end of 4 pages behind the server at ``url``, its host pool filled at random."""
-    storage, host = backend(num_pages=4, remote_url=url, remote_timeout_s=5.0, **options)
+def engine(
+    url: str, num_pages: int = 4, **options: Any
+) -> tuple[KvoffloadHiCacheStorage, torch.Tensor]:
+    """A back end behind the server at ``url``, its host pool filled at random."""
+    storage, host = backend(num_pages, remote_url=url, remote_timeout_s=5.0, **options)
     assert isinstance(storage, KvoffloadHiCacheStorage)
     host.kv_buffer.copy_(torch.randn_like(host.kv_buffer))
     return storage, host.kv_buffer
@@ -77,6 +79,23 @@ def test_two_engines_share_sealed_pages_and_a_forged_one_is_a_miss(
     assert attack not in got.numpy().tobytes()
     # refused by each call that looked past the pool (exists, then get), never loaded
     assert third.remote is not None and third.remote.stats().rejected == 2
+
+
+def test_reading_pages_from_the_server_never_evicts_the_pools_hits_before_them(
+    valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full pool of 2 pages, ``a`` the least recent: the page after it, ``b``, comes from
+    the server, and the room it needs is made by evicting ``x``, never ``a``, which the
+    same call is about to read."""
+    monkeypatch.delenv("KVOFFLOAD_REMOTE_SECRET", raising=False)
+    writer, written = engine(valkey_server.url, remote_secret=SECRET)
+    assert writer.batch_set_v1(["b"], pages(5, 1)) == [True]
+    reader, read = engine(valkey_server.url, num_pages=2, remote_secret=SECRET)
+    assert reader.batch_set_v1(["a", "x"], pages(0, 2)) == [True, True]
+    expected_a = page_bytes(read, 0)
+    assert reader.batch_get_v1(["a", "b"], pages(8, 2)) == [True, True]
+    assert page_bytes(read, 8) == expected_a and page_bytes(read, 9) == page_bytes(written, 5)
+    assert reader.batch_exists(["a", "b"]) == 2 and reader.manager.lookup(b"x").name == "MISS"
 
 
 def test_the_environments_secret_and_a_server_down(

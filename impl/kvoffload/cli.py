@@ -630,7 +630,11 @@ def _remote_secret(args: argparse.Namespace) -> bytes | None:
 
     path = args.remote_secret_file
     secret = resolve_secret(secret_file=path)
-    if path is not None and os.stat(path).st_mode & 0o077:
+    try:
+        shared = path is not None and bool(os.stat(path).st_mode & 0o077)
+    except OSError:  # gone since it was read: the secret read is what counts
+        shared = False
+    if shared:
         _warn(args, f"the secret file {path} can be read by its group or others (chmod 600)")
     return secret
 

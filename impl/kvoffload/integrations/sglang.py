@@ -281,7 +281,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         ones after the pool's hits that the server holds are read into the pool first."""
         count = self._local_prefix(keys)
         if self._remote is not None and count < len(keys):
-            count += self._promote(list(keys[count:]))
+            count += self._promote(list(keys[count:]), hits=list(keys[:count]))
         return count
 
     def _local_prefix(self, keys: Sequence[bytes]) -> int:
@@ -290,9 +290,10 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
                 return count
         return len(keys)
 
-    def _promote(self, keys: list[bytes]) -> int:
+    def _promote(self, keys: list[bytes], hits: list[bytes]) -> int:
         """Read ``keys`` from the server and store the prefix of them it holds (each value
-        checked by the store, of exactly a page's size) in the pool; how many are there."""
+        checked by the store, of exactly a page's size) in the pool; how many are there.
+        The pool's ``hits`` before them are protected: making room evicts none of them."""
         assert self._remote is not None
         page_bytes = self._page_bytes()
         found = self._remote.get(keys)
@@ -303,7 +304,9 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             held += 1
         if not held:
             return 0
-        plan = self.manager.prepare_store(keys[:held])
+        # Keys of the call are never evicted by it: the hits go in too (stored already,
+        # they are no candidates), so the prefix found so far stays whole.
+        plan = self.manager.prepare_store(hits + keys[:held])
         if plan is not None:
             views: dict[object, memoryview | None] = dict(zip(keys, found, strict=False))
             ok = False
