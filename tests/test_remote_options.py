@@ -253,3 +253,15 @@ def test_an_offloader_dropped_without_close_leaks_no_thread_nor_socket(
             break
         time.sleep(0.05)
     assert (threading.active_count(), open_fds()) == (threads, fds)
+
+
+def test_a_unix_socket_and_a_database_by_query(tmp_path: Path) -> None:
+    path = tmp_path / "valkey.sock"
+    with ValkeyServer(unixsocket=str(path), unixsocketperm="700") as server:
+        store = ValkeyStore(f"unix://{path}?db=3", namespace=LAYOUT, timeout_s=10)
+        assert store.put([1], [content(1)]) == [True]
+        (found,) = store.get([1])
+        assert found is not None and found.tobytes() == content(1)
+        assert valkey.Valkey.from_url(server.url).dbsize() == 0  # db 0: not there
+        assert valkey.Valkey(port=server.port, db=3).dbsize() == 1
+        assert store.stats().failures == 0

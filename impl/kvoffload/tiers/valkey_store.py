@@ -558,6 +558,8 @@ class ValkeyStore:
             self._held.close()
         link = Link.open(self._address, deadline, self._tls)
         self._held.set(link)
+        if self._closed:  # close() came while this call connected: it found nothing to shut
+            raise ServerClosed("the store was closed during the call")
         self._count(connects=1)
         address = self._address
         setup: list[bytes] = []
