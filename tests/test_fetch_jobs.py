@@ -29,9 +29,9 @@ from kvoffload import Offloader, OffloadManager
 from kvoffload.tiers import RemoteJob
 from kvoffload.transfer.engine import TransferTimeoutError
 from kvoffload_spec.surface import StorePlan
+from tests.jitter import Jitter
 from tests.planted import FETCH_JOBS, Planted, share
 from tests.remote_support import Engine, content, make_store
-from tests.test_threads import Jitter
 from tests.valkey_server import ValkeyServer
 
 HELD_FOR = 0.01  # s: what reset and wait are given while the job is held in flight

@@ -26,6 +26,7 @@ from kvoffload.manager import OffloadManager
 from kvoffload.offloader import NoRemoteTierError
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key, Lookup, StorePlan
+from tests.misplanning import Misplanning
 from tests.remote_support import (
     BLOCK_BYTES,
     POISON,
@@ -34,7 +35,6 @@ from tests.remote_support import (
     content,
     make_store,
 )
-from tests.test_block_ids import Misplanning
 from tests.valkey_server import ValkeyServer, free_port
 
 if TYPE_CHECKING:
