@@ -12,6 +12,13 @@ it, the median thread CPU time of one call on each side (this process only): wha
 store's own work costs, whatever the machine's load; and the server's CPU time per call on
 each side (the mean, read from /proc on Linux): what the store's commands cost the server.
 
+With a tenant secret the store seals its values (an AES-GMAC tag under a one-time key per
+value, in place of the checksum: kvoffload.tiers.values.SealedFormat): the same batches
+through a store with a secret and one without, side by side in the same way, give the cost
+of the MAC (target: with a secret >= 85% of without); and the MACs one could have picked,
+each over the same 64 KiB and 2 MiB buffers in this process (the store's whole seal, AES-GMAC
+and Poly1305 alone, keyed BLAKE2b, HMAC-SHA256, and the plain format's XXH3 checksum).
+
 Also measured: the bytes each side allocates per payload byte (tracemalloc: a put that
 copies the payload allocates >= 1 per byte; the store's puts send the caller's buffers), and
 the latency of one block's fetch (``get_into`` a CPU buffer, the work a load that misses the
@@ -54,6 +61,8 @@ from kvoffload.tiers import ValkeyStore
 RESULTS = Path(__file__).resolve().parent / "results"
 KiB, MiB = 1 << 10, 1 << 20
 TARGET = 0.80  # of the plain client's throughput, at 64 KiB and 2 MiB blocks
+SEALED_TARGET = 0.85  # a store with a secret, of one without
+SECRET = b"remote_bench's tenant secret, 32+ bytes"
 # (block bytes, blocks per batch): 4-32 MiB per batch, the size of a few requests' prefixes
 CASES = ((64 * KiB, 16), (64 * KiB, 128), (2 * MiB, 4), (2 * MiB, 16))
 QUICK_CASES = ((64 * KiB, 16), (2 * MiB, 4))
@@ -75,6 +84,29 @@ class Throughput:
     # the server's CPU time per call (mean; its threads' run time from /proc, Linux only)
     store_server_cpu_ms: float | None
     client_server_cpu_ms: float | None
+
+
+@dataclass(frozen=True)
+class Sealing:
+    operation: str  # put or get
+    block_bytes: int
+    batch: int
+    samples: int
+    sealed_gbps: float  # a store with a secret
+    plain_gbps: float  # the same store without one
+    ratio: float  # sealed / plain throughput (the median of the samples' ratios)
+    target: float
+    met: bool
+    sealed_cpu_ms: float  # median thread CPU time of one call
+    plain_cpu_ms: float
+
+
+@dataclass(frozen=True)
+class MacSpeed:
+    algorithm: str
+    block_bytes: int
+    gbps: float  # the best of 5 rounds (this process, one thread)
+    us_per_block: float
 
 
 @dataclass(frozen=True)
@@ -227,6 +259,123 @@ def throughput(
     return rows
 
 
+def alternated(
+    ours: Callable[[], object], theirs: Callable[[], object], samples: int
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Wall and thread CPU times of each side, sample by sample, which goes first
+    alternating."""
+    mine: list[float] = []
+    plain: list[float] = []
+    mine_cpu: list[float] = []
+    plain_cpu: list[float] = []
+    unused: list[float] = []
+    for sample in range(samples):
+        if sample % 2:
+            plain.append(timed_cpu(theirs, plain_cpu, unused, os.getpid()))
+            mine.append(timed_cpu(ours, mine_cpu, unused, os.getpid()))
+        else:
+            mine.append(timed_cpu(ours, mine_cpu, unused, os.getpid()))
+            plain.append(timed_cpu(theirs, plain_cpu, unused, os.getpid()))
+    return mine, plain, mine_cpu, plain_cpu
+
+
+def sealing(
+    sealed: ValkeyStore, plain: ValkeyStore, block_bytes: int, batch: int, samples: int
+) -> list[Sealing]:
+    """The same batches through a store with a secret and one without (their own keys)."""
+    assert sealed.authenticated and not plain.authenticated
+    rng = random.Random(block_bytes * 3 + batch)
+    values = [memoryview(rng.randbytes(block_bytes)) for _ in range(batch)]
+    keys = [("sealing", i) for i in range(batch)]
+
+    def put(store: ValkeyStore) -> Callable[[], None]:
+        def work() -> None:
+            assert store.put(keys, values) == [True] * batch, store.stats().last_error
+
+        return work
+
+    def get(store: ValkeyStore) -> Callable[[], None]:
+        def work() -> None:
+            assert all(view is not None for view in store.get(keys)), store.stats()
+
+        return work
+
+    rows: list[Sealing] = []
+    payload = block_bytes * batch
+    for operation, make in (("put", put), ("get", get)):
+        ours, theirs = make(sealed), make(plain)
+        ours(), theirs()  # connected, the keys exist
+        mine, other, mine_cpu, other_cpu = alternated(ours, theirs, samples)
+        ratio = statistics.median([b / a for a, b in zip(mine, other, strict=True)])
+        rows.append(
+            Sealing(
+                operation,
+                block_bytes,
+                batch,
+                samples,
+                round(payload / statistics.median(mine) / 1e9, 3),
+                round(payload / statistics.median(other) / 1e9, 3),
+                round(ratio, 3),
+                SEALED_TARGET,
+                ratio >= SEALED_TARGET,
+                round(statistics.median(mine_cpu) * 1e3, 3),
+                round(statistics.median(other_cpu) * 1e3, 3),
+            )
+        )
+    return rows
+
+
+def mac_algorithms(data: memoryview) -> dict[str, Callable[[], object]]:
+    """Each MAC one could seal a value with, over ``data``, as the store would call it."""
+    import hashlib
+    import hmac
+
+    import xxhash
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    from kvoffload.tiers.values import Namespace, encode_key, value_format
+
+    sealed = value_format(Namespace.of({"benchmark": "mac"}), SECRET)
+    key = hashlib.blake2b(b"mac key", digest_size=32).digest()
+    encoded = encode_key(("mac", 0))
+    iv = bytes(12)
+
+    def poly1305() -> None:
+        mac = Poly1305(key)
+        mac.update(data)
+        mac.finalize()
+
+    return {
+        "the store's seal (one-time key + AES-GMAC)": lambda: sealed.header(encoded, data),
+        "AES-GMAC alone (AES-256-GCM, no plaintext)": lambda: AESGCM(key).encrypt(iv, b"", data),
+        "Poly1305 alone": poly1305,
+        "BLAKE2b keyed": lambda: hashlib.blake2b(data, key=key, digest_size=16).digest(),
+        "HMAC-SHA256": lambda: hmac.digest(key, data, "sha256"),
+        "XXH3-64 (unkeyed: the plain format)": lambda: xxhash.xxh3_64_intdigest(data),
+    }
+
+
+def mac_speeds(block_sizes: tuple[int, ...], quick: bool) -> list[MacSpeed]:
+    """Each algorithm over one block, repeated: the best of 5 rounds."""
+    rows: list[MacSpeed] = []
+    for block_bytes in block_sizes:
+        data = memoryview(random.Random(4).randbytes(block_bytes))
+        repeats = max(3, int((20e6 if quick else 200e6) // block_bytes))
+        for name, work in mac_algorithms(data).items():
+            per_block = min(repeated(work, repeats) for _ in range(5)) / repeats
+            gbps = round(block_bytes / per_block / 1e9, 2)
+            rows.append(MacSpeed(name, block_bytes, gbps, round(per_block * 1e6, 2)))
+    return rows
+
+
+def repeated(work: Callable[[], object], times: int) -> float:
+    started = time.perf_counter()
+    for _ in range(times):
+        work()
+    return time.perf_counter() - started
+
+
 def peak_allocated(work: Callable[[], object]) -> int:
     tracemalloc.start()
     try:
@@ -366,6 +515,22 @@ def table(result: dict[str, object]) -> str:
             f"{verdict:>8} {row['store_cpu_ms']:12.2f} {row['client_cpu_ms']:7.2f} "
             f"{_ms(row['store_server_cpu_ms']):>20} {_ms(row['client_server_cpu_ms']):>7}"
         )
+    lines += ["", f"{'op':4} {'block':>8} {'batch':>5} {'secret GB/s':>11} "
+              f"{'no secret GB/s':>14} {'ratio':>6} {'target':>8} {'CPU ms secret':>13} "
+              f"{'none':>6}"]  # fmt: skip
+    for row in result["sealing"]:  # type: ignore[attr-defined]
+        verdict = f"{row['target']:.0%} " + ("ok" if row["met"] else "MISS")
+        lines.append(
+            f"{row['operation']:4} {row['block_bytes'] // KiB:>5}KiB {row['batch']:>5} "
+            f"{row['sealed_gbps']:11.3f} {row['plain_gbps']:14.3f} {row['ratio']:6.0%} "
+            f"{verdict:>8} {row['sealed_cpu_ms']:13.2f} {row['plain_cpu_ms']:6.2f}"
+        )
+    lines += ["", f"{'MAC over one block':44} {'block':>8} {'GB/s':>7} {'us/block':>9}"]
+    for row in result["mac_speed"]:  # type: ignore[attr-defined]
+        lines.append(
+            f"{row['algorithm']:44} {row['block_bytes'] // KiB:>5}KiB {row['gbps']:7.2f} "
+            f"{row['us_per_block']:9.2f}"
+        )
     lines += ["", f"{'op':4} {'block':>8} {'batch':>5} {'allocated/byte store':>21} "
               f"{'client':>7} {'store copied':>13}"]  # fmt: skip
     for row in result["copies"]:  # type: ignore[attr-defined]
@@ -405,6 +570,14 @@ def run(quick: bool) -> dict[str, object]:
         for block_bytes, batch in QUICK_CASES if quick else CASES:
             rows += throughput(store, client, block_bytes, batch, samples, server_pid)
             client.flushall()
+        sealed = ValkeyStore(
+            server.url, namespace={"benchmark": "remote"}, secret=SECRET, timeout_s=30
+        )
+        sealed_rows: list[Sealing] = []
+        for block_bytes, batch in QUICK_CASES if quick else CASES:
+            sealed_rows += sealing(sealed, store, block_bytes, batch, samples)
+            client.flushall()
+        macs = mac_speeds((64 * KiB, 2 * MiB), quick)
         copied: list[Copies] = []
         for block_bytes, batch in QUICK_CASES:
             copied += copies(store, client, block_bytes, batch)
@@ -417,8 +590,10 @@ def run(quick: bool) -> dict[str, object]:
             fetch_latency(server.url, block_bytes, 20 if quick else 200)
             for block_bytes in (64 * KiB, 2 * MiB)
         ]
-        stats = store.stats()
-        assert stats.failures == 0 and stats.rejected == 0, stats
+        for used in (store, sealed):
+            stats = used.stats()
+            assert stats.failures == 0 and stats.rejected == 0, stats
+        sealed.close()
         version = server_version(server)
         store.close()
         client.close()  # type: ignore[no-untyped-call]
@@ -428,10 +603,13 @@ def run(quick: bool) -> dict[str, object]:
         "machine": machine(),
         "server": version,
         "throughput": [asdict(row) for row in rows],
+        "sealing": [asdict(row) for row in sealed_rows],
+        "mac_speed": [asdict(row) for row in macs],
         "copies": [asdict(row) for row in copied],
         "latency": [asdict(row) for row in latencies],
         "prepare_load_fetch": [asdict(row) for row in fetches],
         "targets_met": all(row.met for row in rows),
+        "sealed_targets_met": all(row.met for row in sealed_rows),
     }
 
 

@@ -216,9 +216,27 @@ def test_the_remote_benchmark_starts_its_server_and_writes_what_it_prints(
         target = row["target"]
         assert isinstance(target, float) and row["met"] is (ratio >= target)
     assert printed["targets_met"] is all(row["met"] for row in throughput)
+    sealing = listed(printed, "sealing")  # with a secret next to without
+    assert {(r["operation"], r["block_bytes"]) for r in sealing} == {
+        (operation, size) for operation in ("put", "get") for size in (64 << 10, 2 << 20)
+    }
+    for row in sealing:
+        (ratio,) = assert_positive_numbers(row, "sealed_gbps", "plain_gbps", "ratio")[2:]
+        assert row["target"] == 0.85 and row["met"] is (ratio >= 0.85)
+    assert printed["sealed_targets_met"] is all(row["met"] for row in sealing)
+    macs = {(r["algorithm"], r["block_bytes"]) for r in listed(printed, "mac_speed")}
+    for algorithm in ("Poly1305 alone", "BLAKE2b keyed", "HMAC-SHA256"):
+        assert {(algorithm, 64 << 10), (algorithm, 2 << 20)} <= macs
+    for algorithm in ("AES-GMAC alone (AES-256-GCM, no plaintext)",):
+        assert {(algorithm, 64 << 10), (algorithm, 2 << 20)} <= macs
+    for row in listed(printed, "mac_speed"):
+        assert_positive_numbers(row, "gbps", "us_per_block")
     for row in listed(printed, "copies"):
         assert row["operation"] in ("put", "get") and row["store_bytes_copied"] == 0
-        assert_positive_numbers(row, "store_alloc_per_byte", "client_alloc_per_byte")
+        assert_positive_numbers(row, "client_alloc_per_byte")
+        # a put of 2 MiB blocks allocates nothing of its payload: 0.00 per byte, rounded
+        store_alloc = row["store_alloc_per_byte"]
+        assert isinstance(store_alloc, float) and 0 <= store_alloc < 3, row
     for row in listed(printed, "latency"):
         assert_positive_numbers(row, "store_median_us", "store_p99_us", "client_median_us")
 

@@ -171,19 +171,21 @@ def test_a_secret_is_checked_and_never_shown() -> None:
 def test_every_sealed_value_is_tagged_under_a_mac_key_of_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Poly1305 is a one-time MAC: two messages tagged under one key give that key away, and
+    """GMAC is a one-time MAC: two messages tagged under one key give that key away, and
     forgeries with it. Each value's key comes from its own random nonce, so 64 seals of the
     same bytes under the same block key use 64 keys, and a read checks each value under
-    the key it was sealed with."""
+    the key it was sealed with; the payload goes to the MAC as the caller's buffer."""
     sealed = value_format(NAMESPACE, SECRET)
-    real = sealed._poly1305  # type: ignore[attr-defined]
+    real = sealed._one_time_tag  # type: ignore[attr-defined]
     used: list[bytes] = []
 
-    def recording(key: bytes) -> object:
+    def recording(key: bytes, payload: memoryview) -> bytes:
+        assert isinstance(payload, memoryview)  # a view, not a copy
         used.append(bytes(key))
-        return real(key)
+        tag: bytes = real(key, payload)
+        return tag
 
-    monkeypatch.setattr(sealed, "_poly1305", recording)
+    monkeypatch.setattr(sealed, "_one_time_tag", recording)
     encoded = encode_key(b"one block")
     values = [sealed.frame(encoded, memoryview(b"the same bytes")) for _ in range(64)]
     sealing = list(used)
@@ -191,6 +193,11 @@ def test_every_sealed_value_is_tagged_under_a_mac_key_of_its_own(
     used.clear()
     assert all(isinstance(sealed.payload_of(encoded, value), memoryview) for value in values)
     assert used == sealing
+    # The one-time key binds the block key and the header: read under another key, or with
+    # another header, the value's tag is checked under another key, and fails.
+    used.clear()
+    assert sealed.payload_of(encode_key(b"another block"), values[0]) is Rejection.MAC
+    assert used and used[0] not in sealing
 
 
 def test_a_key_may_nest_tuples_eight_deep_and_no_deeper() -> None:

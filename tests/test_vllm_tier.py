@@ -19,6 +19,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -51,7 +52,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvoffload.integrations.vllm_tier import KvoffloadValkeyTier, namespace_of
 from kvoffload.tiers import ValkeyStore
-from kvoffload.tiers.values import HEADER_BYTES, encode_key
+from kvoffload.tiers.values import HEADER_BYTES, encode_key, value_format
 from kvoffload_spec.errors import InvalidArgumentError
 from tests.valkey_server import ValkeyServer, free_port
 from tests.vllm_support import cpu_engine_config
@@ -465,3 +466,76 @@ def test_a_load_of_partly_present_chunks_fills_exactly_the_slots_of_valid_ones(
     stats = tier.stats().transfers
     assert stats.rejected_length == 2 * 3 * 4**2  # each of 3 positions short or long in 16 mixes
     writer.close()
+
+
+# -- a tenant secret --------------------------------------------------------------------------
+
+SECRET = "the deployment's secret, 32 byte"
+
+
+def test_a_secret_seals_the_tiers_chunks_from_a_file_an_entry_or_the_environment(
+    valkey_server: ValkeyServer,
+    engines: list[Engine],
+    vllm_config: VllmConfig,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three engines of one tenant, each given the secret another way, share chunks; an
+    engine without it finds none, and a chunk forged under the tier's own server name (by
+    a client with every right but the secret) is a miss, never loaded."""
+    monkeypatch.delenv("KVOFFLOAD_REMOTE_SECRET", raising=False)
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n", encoding="utf-8")
+    writer = Engine(vllm_config, tier_options(valkey_server.url, secret_file=str(path)))
+    engines.append(writer)
+    keys = keys_for("sealed", 4)
+    chunks = chunk_values(writer, 4, seed=11)
+    writer.store(keys, chunks)
+    client = valkey.Valkey.from_url(valkey_server.url)
+    names = list(client.scan_iter())
+    sealed = value_format(writer.tier.namespace, SECRET)
+    assert sorted(names) == sorted(sealed.server_key(encode_key(key)) for key in keys)
+    plain = Engine(vllm_config, tier_options(valkey_server.url))  # no secret: plain names
+    engines.append(plain)
+    context, answers = plain.look_up(keys)
+    assert answers == [LookupResult.MISS] * 4
+    plain.finish(context)
+    # The adversary overwrites chunk 2 with its own bytes in every format it can make.
+    forged = value_format(writer.tier.namespace, "the adversary's secret, 32 bytes")
+    name = sealed.server_key(encode_key(keys[2]))
+    client.set(name, forged.frame(encode_key(keys[2]), memoryview(b"\x66" * writer.chunk_bytes)))
+    by_entry = Engine(vllm_config, tier_options(valkey_server.url, secret=SECRET))
+    engines.append(by_entry)
+    context, answers = by_entry.look_up(keys)
+    assert answers[2] is LookupResult.MISS  # there, refused when loaded
+    hits = [key for key, answer in zip(keys, answers, strict=True) if answer is LookupResult.HIT]
+    assert len(hits) == 3
+    assert by_entry.load(hits, context) == [chunks[keys.index(key)] for key in hits]
+    by_entry.finish(context)
+    stats = by_entry.tier.stats()
+    assert stats.transfers.rejected == 1 and stats.keys_not_loaded == 1  # another tenant id
+    monkeypatch.setenv("KVOFFLOAD_REMOTE_SECRET", SECRET)
+    from_env = Engine(vllm_config, tier_options(valkey_server.url))
+    engines.append(from_env)
+    context, answers = from_env.look_up(keys[:2])
+    assert answers == [LookupResult.HIT] * 2
+    assert from_env.load(keys[:2], context) == chunks[:2]
+    from_env.finish(context)
+    client.close()  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.parametrize("problem", ["short entry", "short file", "missing file", "both"])
+def test_a_bad_secret_fails_when_vllm_builds_the_tier_and_is_not_shown(
+    vllm_config: VllmConfig, tmp_path: Path, problem: str
+) -> None:
+    path = tmp_path / "secret"
+    path.write_text("short secret", encoding="utf-8")
+    options = {
+        "short entry": {"secret": "short secret"},
+        "short file": {"secret_file": str(path)},
+        "missing file": {"secret_file": str(tmp_path / "none")},
+        "both": {"secret": SECRET, "secret_file": str(path)},
+    }[problem]
+    with pytest.raises(InvalidArgumentError) as caught:
+        Engine(vllm_config, tier_options(f"redis://127.0.0.1:{free_port()}/0", **options))
+    assert "short secret" not in str(caught.value) and SECRET not in str(caught.value)

@@ -86,7 +86,8 @@ class ValkeyServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as probe:
                 probe.sendall(b"PING\r\n")
-                return probe.recv(16).startswith(b"+PONG")
+                # A server whose default user is off (an ACL file) answers, but not PONG.
+                return probe.recv(16).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 

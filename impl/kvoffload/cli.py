@@ -177,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
         "each with the sizes above, sharing --remote (default: 1)",
     )
     simulate.add_argument(
+        "--remote-secret-file",
+        default=None,
+        metavar="PATH",
+        help="with --remote: a file holding the tenant's secret (at least 16 bytes, read "
+        "once; its final newline is not part of it): values are sealed and server keys "
+        "derived from it, so nobody without it can forge a block or see which are cached; "
+        "without this flag, $KVOFFLOAD_REMOTE_SECRET if set (default: no secret)",
+    )
+    simulate.add_argument(
         "--remote-mode",
         choices=("write-back", "write-through"),
         default="write-back",
@@ -554,8 +563,17 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
     from kvoffload.policies.base import PolicyContractError
     from kvoffload.replay.simulate import simulate_shared
 
+    secret: bytes | None = None
     if args.remote is not None:
+        try:
+            secret = _remote_secret(args)
+        except ImportError as error:  # --remote without the client: kvoffload[remote]
+            return _fail(args, str(error))
+        except InvalidArgumentError as error:  # names the file or the variable, never bytes
+            return _fail(args, str(error))
         _check_remote_answers(args.remote)
+    elif args.remote_secret_file is not None:
+        return _fail(args, "--remote-secret-file needs --remote")
     console = _console(stderr=True)
     try:
         with _progress(console, enabled=not args.json) as progress:
@@ -566,6 +584,7 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
                 instances=args.instances,
                 remote_url=args.remote,
                 remote_mode=args.remote_mode,
+                remote_secret=secret,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
                 on_start=_announce_memory,
                 metrics_port=args.metrics_port,
@@ -601,6 +620,27 @@ def _announce_memory(plan: MemoryPlan) -> None:
         print(f"kvoffload simulate: {plan.describe()}", file=sys.stderr)
 
 
+def _remote_secret(args: argparse.Namespace) -> bytes | None:
+    """The tenant's secret: the file of ``--remote-secret-file``, else
+    ``$KVOFFLOAD_REMOTE_SECRET``, else none.
+
+    A file others can read is used, with a warning: a secret mounted by Kubernetes is 0644
+    unless its ``defaultMode`` says otherwise, and refusing it would leave such a deployment
+    unsealed, which is worse than a readable file on the engine's own host.
+    """
+    from kvoffload.tiers.secret import resolve_secret
+
+    path = args.remote_secret_file
+    secret = resolve_secret(secret_file=path)
+    try:
+        shared = path is not None and bool(os.stat(path).st_mode & 0o077)
+    except OSError:  # gone since it was read: the secret read is what counts
+        shared = False
+    if shared:
+        _warn(args, f"the secret file {path} can be read by its group or others (chmod 600)")
+    return secret
+
+
 def _check_remote_answers(url: str) -> None:
     """Say at once, on stderr, when the remote tier does not answer: the run still goes on
     (a store survives a server that is down), but its remote column would be all misses."""
@@ -625,6 +665,8 @@ def _show_shared_simulation(
     """One row per engine and one for them all; what they share is said once, above."""
     total = shared.total
     engines = len(shared.engines)
+    if remote is not None and shared.remote_sealed:
+        remote += " (values sealed with the tenant secret)"
     if engines == 1:  # one engine and a remote: its summary says it all
         _show_simulation(trace, total, remote)
         return

@@ -3,15 +3,20 @@ dynamic``, ``class_name`` ``KvoffloadHiCacheStorage``, ``interface_v1: 1``).
 
 Pages move between SGLang's host pool (registered with ``register_mem_pool_host``) and
 kvoffload's CPU pool; kvoffload's manager decides which pages stay. Copies are synchronous
-(one ``copy_`` per page), so every plan completes inside the call that made it. Importing
-this module imports SGLang; ``import kvoffload`` never does.
+(one ``copy_`` per page), so every plan completes inside the call that made it. With
+``remote_url``, a Valkey/Redis server behind the pool (kvoffload's ``ValkeyStore``): every
+page stored is written through to it, and a lookup that misses the pool reads the pages
+that follow from it into the pool, so engines sharing the server share their pages; with a
+tenant secret (``remote_secret``, ``remote_secret_file`` or ``$KVOFFLOAD_REMOTE_SECRET``)
+they are sealed, and a forged page is a miss. Importing this module imports SGLang;
+``import kvoffload`` never does.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -25,6 +30,9 @@ from kvoffload_spec.defaults import (
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Lookup
 
+if TYPE_CHECKING:  # the remote tier's modules load only with remote_url
+    from kvoffload.tiers import Namespace, ValkeyStore
+
 __all__ = ["KvoffloadHiCacheStorage"]
 
 _DEFAULT_PAGES = 4096
@@ -37,15 +45,35 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
     ``eviction_policy`` (any kvoffload policy name, default ``lru``); ``store_threshold``,
     ``max_tracker_size`` as for the manager. The pool is allocated when the host pool is
     registered (the page size in bytes is known only then).
+
+    A remote tier: ``remote_url`` (``redis://host:port/db``, ``rediss://`` for TLS...);
+    ``remote_namespace`` (optional str or mapping, added to the namespace derived from
+    SGLang's storage config: model name, parallel ranks, layout, page bytes and dtype);
+    ``remote_secret`` or ``remote_secret_file`` (the tenant's secret, else
+    ``$KVOFFLOAD_REMOTE_SECRET``); ``remote_timeout_s`` (0.5: the longest one call to the
+    server may take). A server down or slow costs misses, never an exception.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         extra: dict[str, Any] = dict(getattr(storage_config, "extra_config", None) or {})
         self._extra = extra
+        self._config = storage_config
         self._lock = threading.Lock()  # HiCache calls from its prefetch and backup threads
         self._manager: OffloadManager | None = None
         self._pool: torch.Tensor | None = None  # [num_pages, page_bytes] uint8
         self._host: Any = None
+        self._remote: ValkeyStore | None = None
+        self._remote_url = extra.get("remote_url")
+        self._remote_secret: bytes | None = None
+        if self._remote_url is not None:
+            from kvoffload.tiers.secret import resolve_secret
+
+            # Read once, here: a bad secret fails SGLang's start, before any pool exists.
+            self._remote_secret = resolve_secret(
+                extra.get("remote_secret"), extra.get("remote_secret_file")
+            )
+        elif any(name.startswith("remote_") for name in extra):
+            raise InvalidArgumentError("the remote_* options need remote_url")
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -72,6 +100,46 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
                 store_threshold=max(1, int(extra.get("store_threshold", DEFAULT_STORE_THRESHOLD))),
                 max_tracker_size=int(extra.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)),
             )
+            if self._remote_url is not None:
+                from kvoffload.tiers import ValkeyStore
+
+                self._remote = ValkeyStore(
+                    str(self._remote_url),
+                    namespace=self._namespace(page_bytes, page.dtype),
+                    secret=self._remote_secret,
+                    timeout_s=float(extra.get("remote_timeout_s", 0.5)),
+                )
+
+    def _namespace(self, page_bytes: int, dtype: torch.dtype) -> Namespace:
+        """What a page's bytes depend on: SGLang's keys hash tokens only, so the model and
+        the layout must tell two deployments' pages apart."""
+        from kvoffload.tiers import Namespace
+
+        config = self._config
+        model = getattr(config, "model_name", None)
+        extra = self._extra.get("remote_namespace")
+        if model is None and extra is None:
+            raise InvalidArgumentError(
+                "SGLang gives no model name to derive the remote namespace from: set "
+                "remote_namespace to a description of the model and KV layout"
+            )
+        layout = ("tp_rank", "tp_size", "pp_rank", "pp_size", "attn_cp_rank", "attn_cp_size",
+                  "is_mla_model", "is_page_first_layout")  # fmt: skip
+        described: dict[str, Any] = {
+            "engine": "sglang",
+            "model": model,
+            "page_bytes": page_bytes,
+            "dtype": str(dtype),
+            **{name: getattr(config, name, None) for name in layout},
+        }
+        if extra is not None:
+            described["deployment"] = Namespace.of(extra).description
+        return Namespace.of(described)
+
+    @property
+    def remote(self) -> ValkeyStore | None:
+        """The remote tier's store (None without ``remote_url``): its ``stats()``."""
+        return self._remote
 
     @property
     def manager(self) -> OffloadManager:
@@ -118,7 +186,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
 
     def exists(self, key: str) -> bool:
         with self._lock:
-            return self.manager.lookup(key.encode()) is Lookup.HIT
+            return self._hit_prefix([key.encode()]) == 1
 
     def set(
         self,
@@ -209,10 +277,46 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
     # -- helpers ---------------------------------------------------------------------------
 
     def _hit_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are in the pool; with a remote tier, the
+        ones after the pool's hits that the server holds are read into the pool first."""
+        count = self._local_prefix(keys)
+        if self._remote is not None and count < len(keys):
+            count += self._promote(list(keys[count:]), hits=list(keys[:count]))
+        return count
+
+    def _local_prefix(self, keys: Sequence[bytes]) -> int:
         for count, key in enumerate(keys):
             if self.manager.lookup(key) is not Lookup.HIT:
                 return count
         return len(keys)
+
+    def _promote(self, keys: list[bytes], hits: list[bytes]) -> int:
+        """Read ``keys`` from the server and store the prefix of them it holds (each value
+        checked by the store, of exactly a page's size) in the pool; how many are there.
+        The pool's ``hits`` before them are protected: making room evicts none of them."""
+        assert self._remote is not None
+        page_bytes = self._page_bytes()
+        found = self._remote.get(keys)
+        held = 0
+        while held < len(found) and (view := found[held]) is not None:
+            if view.nbytes != page_bytes:
+                break
+            held += 1
+        if not held:
+            return 0
+        # Keys of the call are never evicted by it: the hits go in too (stored already,
+        # they are no candidates), so the prefix found so far stays whole.
+        plan = self.manager.prepare_store(hits + keys[:held])
+        if plan is not None:
+            views: dict[object, memoryview | None] = dict(zip(keys, found, strict=False))
+            ok = False
+            try:
+                for key, block_id in zip(plan.keys, plan.block_ids, strict=True):
+                    self._pool_page(block_id).numpy()[:] = views[key]
+                ok = True
+            finally:
+                self.manager.complete_store(plan, ok)
+        return self._local_prefix(keys[:held])
 
     def _set(self, keys: list[bytes], pages: list[torch.Tensor]) -> list[bool]:
         if len(pages) != len(keys):
@@ -230,6 +334,14 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             ok = True
         finally:
             self.manager.complete_store(plan, ok)
+        if self._remote is not None and plan.keys:
+            # Written through from the pool's own pages, now ready: a failure is a page the
+            # server does not have (counted in its stats), never an error in SGLang.
+            stored = list(plan.keys)
+            assert self._pool is not None
+            rows = self._pool.numpy()
+            pages_stored = [memoryview(rows[block_id]) for block_id in plan.block_ids]
+            self._remote.put(stored, pages_stored)
         return [self.manager.lookup(key) is Lookup.HIT for key in keys]
 
     def _host_slices(self, keys: list[str], addresses: Any, sizes: Any) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@
             "module_path": "kvoffload.integrations.vllm_tier",
             "url": "redis://cache.internal:6379/0",
             "namespace": {"deployment": "chat-v3"},  # optional, added to the derived one
+            "secret_file": "/run/secrets/kvoffload",  # optional: sealed values
             "timeout_s": 0.5,  # optional
         }],
     }
@@ -17,8 +18,10 @@ vLLM's primary tier is its CPU pool; this tier writes each chunk the pool holds 
 server (a cascade) and reads chunks found there back into pool slots (a promotion). What
 crosses the boundary is a :class:`~kvoffload.tiers.ValkeyStore`'s: every value carries a
 header with the namespace, the key, the length and a checksum, so a stale, foreign,
-truncated or corrupt value is a miss and never reaches vLLM's pool; a server that is down,
-slow or restarted makes misses and failed jobs, never an exception in vLLM's scheduler.
+truncated or corrupt value is a miss and never reaches vLLM's pool; with a tenant secret
+(``secret``, ``secret_file`` or ``$KVOFFLOAD_REMOTE_SECRET``) the values are sealed, so a
+forged one is a miss too; a server that is down, slow or restarted makes misses and failed
+jobs, never an exception in vLLM's scheduler.
 
 Importing this module imports vLLM; ``import kvoffload`` never does.
 """
@@ -49,6 +52,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvoffload.integrations.vllm_metrics import TIER_METRICS, StepReport, definitions
 from kvoffload.metrics import METRICS, Sample, remote_samples
 from kvoffload.tiers import Namespace, RemoteJob, RemoteStats, RemoteTier, ValkeyStore
+from kvoffload.tiers.secret import resolve_secret
 from kvoffload_spec.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -136,7 +140,9 @@ class KvoffloadValkeyTier(SecondaryTierManager):
     Configuration keys (the tier's entry in ``secondary_tiers``): ``url`` (required:
     ``redis://host:port/db``, ``valkey://``, ``rediss://`` for TLS, ``unix:///path``, user
     and password in it if needed); ``namespace`` (optional str or mapping, added to the one
-    derived from vLLM's configuration); ``timeout_s`` (0.5: one socket operation's limit);
+    derived from vLLM's configuration); ``secret`` or ``secret_file`` (optional: the
+    tenant's secret, or a file holding it; without either, ``$KVOFFLOAD_REMOTE_SECRET`` if
+    set: values are then sealed, see docs/remote.md); ``timeout_s`` (0.5: one call's limit);
     ``retry_after_s`` (1.0: how long a failed server is left alone); ``max_pending_jobs``
     (64: transfers queued beyond it fail at once rather than wait).
 
@@ -158,6 +164,8 @@ class KvoffloadValkeyTier(SecondaryTierManager):
         tier_type: str,
         url: str,
         namespace: str | Mapping[str, Any] | None = None,
+        secret: str | None = None,
+        secret_file: str | None = None,
         timeout_s: float = 0.5,
         retry_after_s: float = 1.0,
         max_pending_jobs: int = 64,
@@ -174,6 +182,9 @@ class KvoffloadValkeyTier(SecondaryTierManager):
         self.namespace = namespace_of(offloading_spec, self.block_size_bytes, namespace)
         options: dict[str, Any] = {
             "namespace": self.namespace,
+            # Read once, here: both connections seal alike, and a file changed later is
+            # never half-read by one of them.
+            "secret": resolve_secret(secret, secret_file),
             "timeout_s": timeout_s,
             "retry_after_s": retry_after_s,
         }

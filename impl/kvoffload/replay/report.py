@@ -287,6 +287,7 @@ class SharedSimulationReport:
     wall_seconds: float = 0.0
     first_uses: int = 0  # over the whole trace: a block first used by one engine is reusable
     # by the others only through the remote
+    remote_sealed: bool = False  # the remote's values sealed with a tenant secret
 
     @property
     def total(self) -> SimulationReport:
@@ -317,6 +318,7 @@ class SharedSimulationReport:
         return {
             "trace": self.trace,
             "remote": self.remote_url,
+            "remote_sealed": self.remote_sealed,
             "instances": len(self.engines),
             "total": self.total.to_json(),
             "engines": [report.to_json() for report in self.engines],

@@ -172,11 +172,13 @@ def simulate_shared(
     on_request: ProgressHook | None = None,
     on_start: Callable[[MemoryPlan], None] | None = None,
     metrics_port: int | None = None,
+    remote_secret: bytes | str | None = None,
 ) -> SharedSimulationReport:
     """``instances`` engines, request ``i`` of ``trace`` served by engine ``i mod instances``,
     each with the sizes of ``config`` and, with ``remote_url``, all writing back to and
     fetching from one Valkey/Redis server (a fresh namespace per run: another run's blocks
-    are never read). A server down or failing counts failures; the run goes on locally.
+    are never read). With ``remote_secret`` (else ``$KVOFFLOAD_REMOTE_SECRET``, if set) the
+    values are sealed. A server down or failing counts failures; the run goes on locally.
     """
     check_count("instances", instances)
     from kvoffload.offloader import REMOTE_MODES
@@ -203,7 +205,10 @@ def simulate_shared(
             "block_bytes": config.block_bytes,
             "run": uuid.uuid4().hex,
         }
-        stores = [ValkeyStore(remote_url, namespace=namespace) for _ in range(instances)]
+        stores = [
+            ValkeyStore(remote_url, namespace=namespace, secret=remote_secret)
+            for _ in range(instances)
+        ]
     engines = [
         _Engine(
             trace.name,
@@ -229,7 +234,8 @@ def simulate_shared(
         store.close()
     first_uses = len({block for request in requests for block in request})
     shown = stores[0].url if stores else None  # its password replaced by ***
-    return SharedSimulationReport(trace.name, shown, reports, wall, first_uses)
+    sealed = bool(stores) and stores[0].authenticated
+    return SharedSimulationReport(trace.name, shown, reports, wall, first_uses, sealed)
 
 
 @contextmanager
