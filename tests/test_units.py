@@ -78,9 +78,9 @@ def test_a_count_that_is_not_one_names_its_unit() -> None:
 
 def test_sglang_takes_cpu_bytes_to_use_with_a_unit() -> None:
     storage, _ = backend(None, cpu_bytes_to_use=f"{3 * PAGE_BYTES}B")
-    assert storage.manager.num_blocks == 3  # type: ignore[attr-defined]
+    assert storage.manager.num_blocks == 3
     storage, _ = backend(None, cpu_bytes_to_use="1KiB")
-    assert storage.manager.num_blocks == 1024 // PAGE_BYTES  # type: ignore[attr-defined]
+    assert storage.manager.num_blocks == 1024 // PAGE_BYTES
     with pytest.raises(InvalidArgumentError, match="cpu_bytes_to_use: '16G' is not a size"):
         backend(None, cpu_bytes_to_use="16G")
 
