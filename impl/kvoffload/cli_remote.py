@@ -331,7 +331,7 @@ def _stats(args: argparse.Namespace) -> int:
             f"{stats.keys:,}",
             f"{stats.size:,}",
             _sample_cell(stats.checked),
-            stats.description or "(not stored)",
+            _shortened(stats.description) if stats.description else "(not stored)",
         )
         for stats in namespaces
     ]
@@ -339,10 +339,16 @@ def _stats(args: argparse.Namespace) -> int:
         f"kvoffload remote stats: {redacted(args.remote)}, {len(namespaces)} namespace"
         f"{'' if len(namespaces) == 1 else 's'}, {others:,} other keys",
         ["namespace", "format", "keys", "bytes", "values checked", "description"],
-        rows,
-        numeric=False,
+        rows,  # as numbers: every column whole, so that a namespace is copied from it as it is
     )
     return 0
+
+
+DESCRIPTION_CELL = 60  # characters of a description in the table (all of it in --json)
+
+
+def _shortened(text: str) -> str:
+    return text if len(text) <= DESCRIPTION_CELL else text[: DESCRIPTION_CELL - 1] + "…"
 
 
 def _sample_cell(checked: Counter[str]) -> str:

@@ -134,6 +134,7 @@ class ValkeyStore:
         self._counting = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._last_error: str | None = None
+        self._described = False  # the namespace's description is on the server
 
     # -- the surface ---------------------------------------------------------------------
 
@@ -203,6 +204,8 @@ class ValkeyStore:
             if ok:
                 sent += sum(payload.nbytes for payload in payloads[start:stop])
         good = sum(stored)
+        if good and not self._described:
+            self._describe_namespace()
         joined = sum(payload.nbytes for payload in payloads if payload.nbytes < _JOIN_BELOW)
         self._count(
             keys_stored=good,
@@ -211,6 +214,15 @@ class ValkeyStore:
             bytes_copied=joined,
         )
         return stored
+
+    def _describe_namespace(self) -> None:
+        """Write the namespace's description under its bare prefix (``kvo1:<fingerprint>``,
+        shorter than any block's key), once per store, so that ``kvoffload remote stats``
+        can say whose blocks these are. Only a hint for people: nothing reads it back."""
+        name = self._namespace.key_prefix[:-1]
+        text = self._namespace.description.encode("utf-8", "surrogatepass")
+        replies = self._exchange(_once(_pack(b"SET", [name, text])), 1)
+        self._described = replies is not None
 
     def contains(self, keys: Sequence[Hashable]) -> list[bool]:
         """Whether the server has a value under each key (not checked: a hint)."""
