@@ -173,6 +173,7 @@ def _toml() -> Any:
             return importlib.import_module(name)
         except ImportError:
             continue
+    # tomli is a dependency on 3.10: only an install that left it out gets here
     raise ConfigError("reading a config file on Python 3.10 needs tomli: pip install tomli")
 
 
