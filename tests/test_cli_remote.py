@@ -48,13 +48,14 @@ def test_ping_reaches_the_server(
 @pytest.mark.parametrize(
     ("url", "expected"),
     [
-        (f"redis://127.0.0.1:{free_port()}/0", "Connection refused"),
-        ("http://127.0.0.1:1/0", "not a Valkey/Redis URL"),
+        ("redis://127.0.0.1:{port}/0", "Connection refused"),  # nothing listens there
+        ("http://127.0.0.1:{port}/0", "not a Valkey/Redis URL"),
     ],
 )
 def test_ping_says_in_one_line_why_it_cannot(
     url: str, expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    url = url.format(port=free_port())
     code, out, err = run(["remote", "ping", url, "--timeout", "1"], capsys)
     assert (code, out) == (1, "")
     assert err.startswith("kvoffload remote ping: error: ") and expected in err

@@ -18,7 +18,6 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from kvoffload.integrations.vllm import KvoffloadManagerSpec
 from kvoffload.units import BYTES_ACCEPTED, byte_size, parse_bytes, parse_count
 from kvoffload_spec.errors import InvalidArgumentError
-from tests.test_sglang_integration import PAGE_BYTES, backend
 from tests.vllm_support import cpu_engine_config
 
 
@@ -74,15 +73,6 @@ def test_a_count_that_is_not_one_names_its_unit() -> None:
         parse_count("4KiB")
     with pytest.raises(InvalidArgumentError, match="must be at least 1"):
         parse_count("0", "requests")
-
-
-def test_sglang_takes_cpu_bytes_to_use_with_a_unit() -> None:
-    storage, _ = backend(None, cpu_bytes_to_use=f"{3 * PAGE_BYTES}B")
-    assert storage.manager.num_blocks == 3
-    storage, _ = backend(None, cpu_bytes_to_use="1KiB")
-    assert storage.manager.num_blocks == 1024 // PAGE_BYTES
-    with pytest.raises(InvalidArgumentError, match="cpu_bytes_to_use: '16G' is not a size"):
-        backend(None, cpu_bytes_to_use="16G")
 
 
 def vllm_spec(cpu_bytes_to_use: object) -> KvoffloadManagerSpec:

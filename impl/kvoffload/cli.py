@@ -19,8 +19,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvoffload import cli_args as kinds
 from kvoffload import cli_output as output
-from kvoffload_spec.errors import InvalidArgumentError, OffloadError
+from kvoffload_spec.errors import OffloadError
 
 if TYPE_CHECKING:
     from kvoffload.replay.simulate import MemoryPlan, SimulationConfig
@@ -141,18 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_argument(simulate)
     simulate.add_argument(
         "--gpu-blocks",
-        type=_count("blocks"),
+        type=kinds.count("blocks"),
         default=sizes.gpu_blocks,
         metavar="N",
         help="device prefix cache size in blocks; must hold the longest request "
-        f"(default: %(default)s; {_DECIMAL_SUFFIXES})",
+        f"(default: %(default)s; {kinds.DECIMAL_SUFFIXES})",
     )
     simulate.add_argument(
         "--cpu-blocks",
-        type=_count("blocks"),
+        type=kinds.count("blocks"),
         default=sizes.cpu_blocks,
         metavar="N",
-        help=f"CPU pool size in blocks (default: %(default)s; {_DECIMAL_SUFFIXES})",
+        help=f"CPU pool size in blocks (default: %(default)s; {kinds.DECIMAL_SUFFIXES})",
     )
     simulate.add_argument(
         "--policy",
@@ -163,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--block-bytes",
-        type=_byte_size,
+        type=kinds.byte_size,
         default=sizes.block_bytes,
         metavar="BYTES",
         help="bytes per KV block, e.g. 4096, 64KiB, 2MiB; KiB, MiB, GiB are binary (1 KiB = "
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--requests",
-        type=_count("requests"),
+        type=kinds.count("requests"),
         default=None,
         metavar="N",
         help="replay only the first N requests",
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--instances",
-        type=_count("instances"),
+        type=kinds.count("instances"),
         default=1,
         metavar="N",
         help="N engines serving the trace's requests in turn (request i on engine i mod N), "
@@ -200,14 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--metrics-port",
-        type=_port,
+        type=kinds.port,
         default=None,
         metavar="N",
         help="serve kvoffload's metrics (Prometheus text format) on "
         "http://127.0.0.1:N/metrics while the replay runs (needs prometheus_client: "
         "pip install 'kvoffload[metrics]')",
     )
-    _add_json_argument(simulate)
+    kinds.add_json_argument(simulate)
     simulate.set_defaults(command=_run_simulate, command_name="simulate")
 
     sweep = commands.add_parser(
@@ -219,15 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_argument(sweep)
     sweep.add_argument(
         "--gpu-blocks",
-        type=_count("blocks", minimum=0),
+        type=kinds.count("blocks", minimum=0),
         default=0,
         metavar="N",
         help="device prefix cache in front of the CPU tier; 0 means a single tier "
-        f"(default: %(default)s; {_DECIMAL_SUFFIXES})",
+        f"(default: %(default)s; {kinds.DECIMAL_SUFFIXES})",
     )
     sweep.add_argument(
         "--capacities",
-        type=_count_list,
+        type=kinds.count_list,
         default=",".join(map(str, DEFAULT_CAPACITIES)),
         metavar="N,N,...",
         help="CPU capacities in blocks, e.g. 1000,4k,16k; decimal suffixes: 4k = 4,000 and "
@@ -235,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument(
         "--policies",
-        type=_name_list,
+        type=kinds.name_list,
         default=",".join(SWEEP_POLICIES),
         metavar="P,P,...",
         help=f"any of {', '.join(SWEEP_POLICIES)}, or your own as module:Class "
@@ -247,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="draw the curves into FILE, a .png, .svg or .pdf (needs matplotlib: "
         "pip install 'kvoffload[plot]'); checked before the sweep starts",
     )
-    _add_json_argument(sweep)
+    kinds.add_json_argument(sweep)
     sweep.set_defaults(command=_run_sweep, command_name="sweep")
 
     verify = commands.add_parser(
@@ -266,12 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument(
         "--budget",
-        type=_seconds,
+        type=kinds.seconds,
         default=60.0,
         metavar="SECONDS",
         help="time budget for both checks together (default: %(default)s)",
     )
-    _add_json_argument(verify)
+    kinds.add_json_argument(verify)
     verify.set_defaults(command=_run_verify, command_name="verify")
     add_remote_commands(commands)
     for leaf in leaf_parsers(parser).values():
@@ -296,79 +297,10 @@ def _add_trace_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_json_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
-
-
 def _version() -> str:
     import kvoffload
 
     return kvoffload.__version__
-
-
-# -- argument types: argparse turns their ValueError into a usage error ---------------------
-
-
-_DECIMAL_SUFFIXES = "decimal suffixes: 4k = 4,000"
-
-
-def _count(unit: str, minimum: int = 1) -> Callable[[str], int]:
-    """An argument type: a whole number of ``unit`` of at least ``minimum``, where ``4k``
-    means 4,000 and ``1m`` 1,000,000 (:func:`kvoffload.units.parse_count`)."""
-    from kvoffload.units import parse_count
-
-    def parse(text: str) -> int:
-        try:
-            return parse_count(text, unit, minimum)
-        except InvalidArgumentError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    parse.__name__ = f"number of {unit}"  # argparse names the type in some messages
-    return parse
-
-
-def _byte_size(text: str) -> int:
-    """An argument type: bytes, plain or with a unit (:func:`kvoffload.units.parse_bytes`)."""
-    from kvoffload.units import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except InvalidArgumentError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _count_list(text: str) -> list[int]:
-    counts = [_count("blocks")(part) for part in text.split(",") if part.strip()]
-    if not counts:
-        raise argparse.ArgumentTypeError("give at least one capacity, e.g. 1000,4k")
-    return counts
-
-
-def _name_list(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("give at least one policy, e.g. lru,belady")
-    return names
-
-
-def _seconds(text: str) -> float:
-    from kvoffload_spec.errors import InvalidArgumentError
-    from kvoffload_spec.validation import check_seconds
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    try:
-        return check_seconds("the value", value)
-    except InvalidArgumentError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
-    return int(text)
 
 
 # -- the commands ---------------------------------------------------------------------------

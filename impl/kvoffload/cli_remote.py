@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload import cli_output as output
+from kvoffload.cli_args import add_json_argument, byte_size, count, port, seconds
 from kvoffload_spec.errors import InvalidArgumentError
 
 # The valkey client's own annotations (every reply a union with an Awaitable) say nothing
@@ -40,8 +41,6 @@ DEFAULT_MAXMEMORY = 4 << 30
 
 def add_remote_commands(commands: Any) -> None:
     """``remote ping|stats|clear`` and ``server``, on the ``kvoffload`` parser's commands."""
-    from kvoffload.cli import _add_json_argument, _byte_size, _count, _port, _seconds
-
     remote = commands.add_parser(
         "remote",
         help="reach a remote tier's server, list its namespaces, clear one",
@@ -64,7 +63,7 @@ def add_remote_commands(commands: Any) -> None:
         )
         verb.add_argument(
             "--timeout",
-            type=_seconds,
+            type=seconds,
             default=2.0,
             metavar="SECONDS",
             help="how long one reply may take (default: %(default)s)",
@@ -78,7 +77,7 @@ def add_remote_commands(commands: Any) -> None:
     )
     stats.add_argument(
         "--sample",
-        type=_count("values", minimum=0),
+        type=count("values", minimum=0),
         default=DEFAULT_SAMPLE,
         metavar="N",
         help="values read and checked per namespace (default: %(default)s)",
@@ -93,7 +92,7 @@ def add_remote_commands(commands: Any) -> None:
         "--yes", action="store_true", help="delete without asking (needed when not on a terminal)"
     )
     for verb in (ping, stats, clear):
-        _add_json_argument(verb)
+        add_json_argument(verb)
 
     server = commands.add_parser(
         "server",
@@ -103,7 +102,7 @@ def add_remote_commands(commands: Any) -> None:
         "and least recently used keys evicted. Options after -- go to valkey-server.",
     )
     server.add_argument(
-        "--port", type=_port, default=DEFAULT_PORT, metavar="N", help="(default: %(default)s)"
+        "--port", type=port, default=DEFAULT_PORT, metavar="N", help="(default: %(default)s)"
     )
     server.add_argument(
         "--bind",
@@ -121,7 +120,7 @@ def add_remote_commands(commands: Any) -> None:
     )
     server.add_argument(
         "--maxmemory",
-        type=_byte_size,
+        type=byte_size,
         default=DEFAULT_MAXMEMORY,
         metavar="BYTES",
         help="memory for values, e.g. 4GiB; beyond it the least recently used keys go "
