@@ -419,3 +419,18 @@ def test_many_small_values_and_large_ones_in_one_put_round_trip(
     ]
     assert exact == [True] * len(values)
     assert_accounted(store.stats())
+
+
+def test_a_store_describes_its_namespace_once_for_people_to_read(
+    valkey_server: ValkeyServer,
+) -> None:
+    """``kvoffload remote stats`` shows it; nothing reads it back."""
+    store = store_on(valkey_server)
+    client = raw(valkey_server)
+    assert store.put([], []) == [] and client.dbsize() == 0  # nothing stored, nothing said
+    for key in range(3):
+        assert store.put([key], [b"block"]) == [True]
+    name = store.namespace.key_prefix + valkey_store_module.DESCRIPTION_NAME
+    assert client.get(name) == store.namespace.description.encode()
+    assert info(client, "commandstats")["cmdstat_set"]["calls"] == 1
+    assert [v and v.tobytes() for v in store.get([0, 1, 2])] == [b"block"] * 3

@@ -5,9 +5,9 @@ A store's keys are ``kvo1:<namespace fingerprint hex>:<encoded key>`` (plain val
 ``kvo2:<tenant id hex>:<name>`` (sealed ones, :mod:`kvoffload.tiers.values`), so the
 namespaces on a server are the distinct ``kvoN:<hex>`` prefixes: ``stats`` finds them with
 ``SCAN`` (never ``KEYS``, which stops the server), whether or not anything says what they
-are. A plain store writes its namespace's description under the bare prefix
-``kvo1:<hex>`` (no block key is that short); earlier runs did not, and their namespaces are
-listed by fingerprint alone. ``clear`` deletes one namespace's keys with ``SCAN`` and
+are. A plain store writes its namespace's description under ``kvo1:<hex>:#description``
+(no block's key is that); earlier runs did not, and their namespaces are listed by
+fingerprint alone. ``clear`` deletes one namespace's keys with ``SCAN`` and
 ``UNLINK`` in batches (the server frees the values in the background).
 """
 
@@ -231,6 +231,8 @@ def scan_namespaces(
     client: Client, sample: int, only: str | None = None
 ) -> tuple[dict[str, NamespaceStats], int]:
     """Every namespace on the server (or ``only`` that one), and the count of other keys."""
+    from kvoffload.tiers.valkey_store import DESCRIPTION_NAME
+
     found: dict[str, NamespaceStats] = {}
     ours = 0
     pattern = f"{only}*" if only else "kvo[12]:*"
@@ -246,7 +248,7 @@ def scan_namespaces(
                 continue  # a key that only looks like ours
             stats = found.setdefault(head.decode(), NamespaceStats(head.decode()))
             ours += 1
-            if key == head:  # the namespace's description, not a block
+            if key[len(head) + 1 :] == DESCRIPTION_NAME:  # not a block: what they are
                 stats.description = _text(client.get(key))
                 continue
             stats.keys += 1
@@ -403,7 +405,7 @@ def _clear(args: argparse.Namespace) -> int:
 def delete_namespace(client: Client, namespace: str) -> int:
     """``UNLINK`` every key of ``namespace`` (its description too), a SCAN page at a time;
     the number of keys deleted."""
-    deleted = int(client.unlink(namespace))
+    deleted = 0
     cursor = 0
     while True:
         cursor, keys = client.scan(cursor, match=f"{namespace}:*", count=SCAN_BATCH)

@@ -71,6 +71,8 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 # values are hashed while the server reads these (and that a value hashed is still in the
 # cache when the kernel copies it). 256 KiB to 4 MiB measured alike within the noise here.
 _SEND_EVERY = 1024 * 1024
+# The namespace's description, after the namespace's key prefix (see _describe_namespace).
+DESCRIPTION_NAME = b"#description"
 # Below this, pieces of a command are joined into one buffer (one send, not many).
 _JOIN_BELOW = 16 * 1024
 
@@ -216,10 +218,12 @@ class ValkeyStore:
         return stored
 
     def _describe_namespace(self) -> None:
-        """Write the namespace's description under its bare prefix (``kvo1:<fingerprint>``,
-        shorter than any block's key), once per store, so that ``kvoffload remote stats``
-        can say whose blocks these are. Only a hint for people: nothing reads it back."""
-        name = self._namespace.key_prefix[:-1]
+        """Write the namespace's description under ``kvo1:<fingerprint>:#description``, once
+        per store, so that ``kvoffload remote stats`` can say whose blocks these are. Only
+        a hint for people: nothing reads it back. It is under the namespace's prefix (an ACL
+        on the prefix covers it, a clear of the namespace takes it) and no block's key is
+        it: an encoded key starts with its type's letter, never ``#``."""
+        name = self._namespace.key_prefix + DESCRIPTION_NAME
         text = self._namespace.description.encode("utf-8", "surrogatepass")
         replies = self._exchange(_once(_pack(b"SET", [name, text])), 1)
         self._described = replies is not None
