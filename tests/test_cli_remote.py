@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -215,3 +216,33 @@ def test_server_refuses_a_directory_that_is_not_there(
 ) -> None:
     code, _, err = run(["server", "--dir", str(tmp_path / "nowhere")], capsys)
     assert code == 1 and err.endswith("no such directory\n")
+
+
+class Terminal(io.StringIO):
+    """A stdin that is a terminal, and what the user types into it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("answer", "deleted"), [("y\n", True), ("\n", False), ("no\n", False)])
+def test_clear_asks_on_a_terminal(
+    answer: str,
+    deleted: bool,
+    valkey_server: ValkeyServer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    expected = seeded(valkey_server)
+    monkeypatch.setattr(sys, "stdin", Terminal(answer))
+    namespace = plain_id(MODEL_A)
+    code, out, err = run(["remote", "clear", valkey_server.url, "--namespace", namespace], capsys)
+    keys = expected[namespace][0]
+    question = f"delete every key of {namespace} ({keys:,} blocks) on {valkey_server.url}? [y/N]"
+    assert out.startswith(question)
+    left = client_of(valkey_server).keys(f"{namespace}:*")
+    assert isinstance(left, list)
+    if deleted:
+        assert code == 0 and left == [] and f"deleted {keys + 1} keys" in out  # and its description
+    else:
+        assert code == 1 and len(left) == keys + 1 and "nothing deleted" in err

@@ -382,9 +382,8 @@ def _clear(args: argparse.Namespace) -> int:
                 )
             found, _ = scan_namespaces(client, 0, namespace)
             keys = found[namespace].keys if namespace in found else 0
-            answer = input(
-                f"delete the {keys:,} keys of {namespace} on {redacted(args.remote)}? [y/N] "
-            )
+            where = redacted(args.remote)
+            answer = input(f"delete every key of {namespace} ({keys:,} blocks) on {where}? [y/N] ")
             if answer.strip().lower() not in ("y", "yes"):
                 print("kvoffload remote clear: nothing deleted", file=sys.stderr)
                 return 1
