@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         return _fail(args, str(error), EXIT_USAGE)
     for option, needed in NEEDS.items():
-        if option in layered.given and getattr(args, needed, None) is None:
+        if option in layered.given and needed in vars(args) and getattr(args, needed) is None:
             return _fail(args, f"{_flag(option)} does nothing without {_flag(needed)}", EXIT_USAGE)
     command: Callable[[argparse.Namespace], int] = args.command
     _search_working_directory()

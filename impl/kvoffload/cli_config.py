@@ -212,7 +212,7 @@ def _flag(action: argparse.Action) -> str:
 
 
 def keys_of(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, str]]:
-    """(command, key, flag) for every configurable option: what the docs list."""
+    """(command, key, flag) for every configurable option."""
     for command, leaf in leaf_parsers(parser).items():
         for key, action in configurable(leaf).items():
             yield command, key, _flag(action)
