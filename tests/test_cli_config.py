@@ -137,6 +137,15 @@ def test_a_remote_mode_waits_for_a_remote_set_anywhere(capsys: pytest.CaptureFix
     assert (args.remote, args.remote_mode) == ("x", "write-through")
 
 
+def test_the_remote_url_is_a_top_level_key_for_every_command(tmp_path: Path) -> None:
+    path = config_file(tmp_path, 'remote = "redis://cache-host:6379/0"\ntimeout = 5\n')
+    assert parsed(["remote", "stats", "--config", path], {}).remote == "redis://cache-host:6379/0"
+    assert parsed(["remote", "ping", "--config", path], {}).timeout == 5.0
+    assert parsed(["simulate", "--config", path], {}).remote == "redis://cache-host:6379/0"
+    with pytest.raises(ConfigError, match=r"\[remote\] is a table, but remote is an option's key"):
+        parsed(["verify", "--config", config_file(tmp_path, "[remote]\ntimeout = 1\n")], {})
+
+
 def test_the_remote_commands_take_the_configured_url(
     valkey_server: ValkeyServer,
     monkeypatch: pytest.MonkeyPatch,

@@ -9,7 +9,8 @@ Precedence: the command line, then the environment, then the file, then the defa
 
 The file is TOML, named by ``--config PATH`` or ``KVOFFLOAD_CONFIG``. Its top-level keys
 apply to every command that has the option; a table named after a command applies to it
-only, and wins over the top level::
+only, and wins over the top level (the ``remote`` commands have none: ``remote`` is the
+URL's key)::
 
     policy = "arc"
     remote = "redis://cache-host:6379/0"
@@ -96,12 +97,14 @@ def layer(
     path = args.config if getattr(args, "config", None) else environ.get(CONFIG_ENV) or None
     config = _read(Path(path), leaves) if path else {}
     section = command.split()[0]
+    if section in options:
+        section = ""  # no table of its own (see _read)
     sources: dict[str, str] = {}
     for key, action in options.items():
         if key in given:
             continue
         env_name = ENV_PREFIX + key.upper()
-        table = config.get(section)
+        table = config.get(section) if section else None
         if env_name in environ:
             raw: object = environ[env_name]
             where = env_name
@@ -149,6 +152,9 @@ def _read(path: Path, leaves: Mapping[str, argparse.ArgumentParser]) -> dict[str
     for command, leaf in leaves.items():
         sections.setdefault(command.split()[0], set()).update(configurable(leaf))
     every = set().union(*sections.values())
+    # `remote` is an option's key (the URL) as well as a command: the key wins, and the
+    # remote commands take their options from the top level
+    sections = {name: keys for name, keys in sections.items() if name not in every}
     for key, value in config.items():
         if key in sections and isinstance(value, dict):
             config[key] = {name.replace("-", "_"): item for name, item in value.items()}
@@ -159,6 +165,8 @@ def _read(path: Path, leaves: Mapping[str, argparse.ArgumentParser]) -> dict[str
                     )
         elif key in sections:
             raise ConfigError(f"{path}: {key} must be a table ([{key}]) of its options")
+        elif key in every and isinstance(value, dict):
+            raise ConfigError(f"{path}: [{key}] is a table, but {key} is an option's key")
         elif key not in every:
             known = every | set(sections)
             raise ConfigError(f"{path}: unknown key {key!r}{_suggest(key, known)}")
