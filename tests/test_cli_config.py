@@ -73,6 +73,12 @@ def test_an_option_added_to_a_command_is_configurable_with_no_code() -> None:
     assert ("simulate", "remote_secret_file", "--remote-secret-file") in set(keys_of(parser))
 
 
+def test_a_variable_set_to_nothing_is_not_set(tmp_path: Path) -> None:
+    path = config_file(tmp_path, 'policy = "arc"\n')
+    assert parsed(["verify", "--config", path], {"KVOFFLOAD_POLICY": ""}).policy == "arc"
+    assert parsed(["simulate"], {"KVOFFLOAD_REMOTE": ""}).remote is None
+
+
 def test_what_is_per_run_is_not_configurable(tmp_path: Path) -> None:
     args = parsed(["sweep"], {"KVOFFLOAD_JSON": "1", "KVOFFLOAD_YES": "1"})
     assert args.json is False

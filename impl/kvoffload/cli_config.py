@@ -105,7 +105,7 @@ def layer(
             continue
         env_name = ENV_PREFIX + key.upper()
         table = config.get(section) if section else None
-        if env_name in environ:
+        if environ.get(env_name, "") != "":  # set to nothing is not set, as KVOFFLOAD_CONFIG
             raw: object = environ[env_name]
             where = env_name
         elif isinstance(table, dict) and key in table:
