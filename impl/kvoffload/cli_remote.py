@@ -166,7 +166,7 @@ def redacted(url: str) -> str:
 
 
 def _unreachable(args: argparse.Namespace, error: Exception) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{redacted(args.remote)} does not answer: {error}")
+    return InvalidArgumentError(f"cannot reach {redacted(args.remote)}: {error}")
 
 
 def _ping(args: argparse.Namespace) -> int:
