@@ -102,7 +102,11 @@ def add_remote_commands(commands: Any) -> None:
         "and least recently used keys evicted. Options after -- go to valkey-server.",
     )
     server.add_argument(
-        "--port", type=port, default=DEFAULT_PORT, metavar="N", help="(default: %(default)s)"
+        "--port",
+        type=port,
+        default=DEFAULT_PORT,
+        metavar="N",
+        help="the TCP port to listen on (default: %(default)s)",
     )
     server.add_argument(
         "--bind",
