@@ -7,7 +7,12 @@ from __future__ import annotations
 import inspect
 import io
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +32,18 @@ class InterruptsTheThirdPool(LruPolicy):
         type(self).made += 1
         if type(self).made == 3:
             raise KeyboardInterrupt
+        super().__init__(capacity)
+
+
+class SignalsTheSecondPool(LruPolicy):
+    """A real SIGINT, the one Ctrl-C sends, while its second pool is built."""
+
+    made = 0
+
+    def __init__(self, capacity: int) -> None:
+        type(self).made += 1
+        if type(self).made == 2:
+            os.kill(os.getpid(), signal.SIGINT)
         super().__init__(capacity)
 
 
@@ -115,6 +132,24 @@ def test_ctrl_c_in_a_sweep_prints_the_points_done_and_exits_130(
     else:
         assert "partial: interrupted after 4 points" in out
         assert "200" in out and "400" not in out
+
+
+def test_a_real_sigint_in_a_sweep_run_as_a_user_runs_it() -> None:
+    policy = f"{__name__}:SignalsTheSecondPool"
+    argv = ["sweep", "--trace", "synthetic", "--capacities", "100,200", "--policies"]
+    done = subprocess.run(
+        [sys.executable, "-m", "kvoffload", *argv, f"{policy},belady", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+        # as on a terminal: a job started in the background inherits SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "kvoffload sweep: interrupted after 2 of 4 points\n"
+    report = json.loads(done.stdout)
+    assert report["partial"] is True and len(report["results"]) == 2
 
 
 def test_a_whole_sweep_says_nothing_of_partial(capsys: pytest.CaptureFixture[str]) -> None:
