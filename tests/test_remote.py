@@ -130,7 +130,8 @@ def test_a_batch_over_the_command_limit_goes_as_several_msets(
     client = raw(valkey_server)
     before = info(client, "commandstats").get("cmdstat_mset", {}).get("calls", 0)
     assert store.put(list(range(10)), values) == [True] * 10
-    assert info(client, "commandstats")["cmdstat_mset"]["calls"] - before == 4  # 3+3+3+1
+    # 3+3+3+1 blocks, and the namespace's description after the first
+    assert info(client, "commandstats")["cmdstat_mset"]["calls"] - before == 5
     assert [v and v.tobytes() for v in store.get(list(range(10)))] == values
 
 
@@ -150,7 +151,7 @@ def test_two_namespaces_share_a_server_and_not_their_blocks(valkey_server: Valke
     assert [v and v.tobytes() for v in second.get(keys)] == theirs
     assert second.delete(keys) == [True] * 8
     assert [v and v.tobytes() for v in first.get(keys)] == mine
-    assert raw(valkey_server).dbsize() == 8
+    assert raw(valkey_server).dbsize() == 8 + 2  # and each namespace's description
 
 
 def test_a_namespace_is_its_description_whatever_the_order() -> None:
@@ -278,7 +279,7 @@ def test_bad_arguments_raise_before_anything_is_sent(valkey_server: ValkeyServer
         assert store.stats() == before_stats, name
     # only the INFO call itself reached the server
     assert info(client, "stats")["total_commands_processed"] == before_calls + 1
-    assert client.dbsize() == 2
+    assert client.dbsize() == 2 + 1  # and the namespace's description
 
 
 @pytest.mark.parametrize(
@@ -420,3 +421,24 @@ def test_many_small_values_and_large_ones_in_one_put_round_trip(
     ]
     assert exact == [True] * len(values)
     assert_accounted(store.stats())
+
+
+def test_a_store_describes_its_namespace_once_for_people_to_read(
+    valkey_server: ValkeyServer,
+) -> None:
+    """``kvoffload remote stats`` shows it; nothing reads it back."""
+    store = store_on(valkey_server)
+    client = raw(valkey_server)
+    assert store.put([], []) == [] and client.dbsize() == 0  # nothing stored, nothing said
+    for key in range(3):
+        assert store.put([key], [b"block"]) == [True]
+    name = store.namespace.key_prefix + valkey_store_module.DESCRIPTION_NAME
+    assert client.get(name) == store.namespace.description.encode()
+    assert info(client, "commandstats")["cmdstat_mset"]["calls"] == 3 + 1  # described once
+    assert [v and v.tobytes() for v in store.get([0, 1, 2])] == [b"block"] * 3
+    # A sealed store says nothing of whose blocks these are: only the blocks are written.
+    client.flushall()
+    sealed = ValkeyStore(valkey_server.url, namespace=LAYOUT, secret=b"s" * 32)
+    assert sealed.put([0, 1], [b"block", b"block"]) == [True, True]
+    assert client.dbsize() == 2
+    sealed.close()

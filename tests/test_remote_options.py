@@ -263,5 +263,5 @@ def test_a_unix_socket_and_a_database_by_query(tmp_path: Path) -> None:
         (found,) = store.get([1])
         assert found is not None and found.tobytes() == content(1)
         assert valkey.Valkey.from_url(server.url).dbsize() == 0  # db 0: not there
-        assert valkey.Valkey(port=server.port, db=3).dbsize() == 1
+        assert valkey.Valkey(port=server.port, db=3).dbsize() == 2  # and the description
         assert store.stats().failures == 0

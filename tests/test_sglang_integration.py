@@ -385,3 +385,12 @@ def test_single_keys_and_targets_get_their_own_page() -> None:
     # Two pages, "a" stored: a batch of three new keys cannot fit, the stored key still counts.
     assert storage.batch_set_v1(["a", "b", "c", "d"], pages(0, 4)) == [True, False, False, False]
     assert read_back(storage, host, ["a"]) == []
+
+
+def test_sglang_takes_cpu_bytes_to_use_with_a_unit() -> None:
+    storage, _ = backend(None, cpu_bytes_to_use=f"{3 * PAGE_BYTES}B")
+    assert storage.manager.num_blocks == 3
+    storage, _ = backend(None, cpu_bytes_to_use="1KiB")
+    assert storage.manager.num_blocks == 1024 // PAGE_BYTES
+    with pytest.raises(InvalidArgumentError, match="cpu_bytes_to_use: '16G' is not a size"):
+        backend(None, cpu_bytes_to_use="16G")

@@ -1,49 +1,61 @@
-"""The ``kvoffload`` command: ``simulate``, ``sweep`` and ``verify``.
+"""The ``kvoffload`` command: ``simulate``, ``sweep``, ``verify``, ``remote`` and ``server``.
 
 Startup stays quick: this module imports only the standard library, the parser reads the
 policy names and the sweep's and simulate's defaults from their modules (no torch, no
 numpy), and each command imports what it needs (torch only for ``simulate``) when it runs.
 A mistake a user can make (a bad trace, an unknown policy, an impossible size) ends with
 one line on stderr and exit status 1; a malformed command line with argparse's usage
-message and status 2.
+message and status 2, and so do a configuration file or variable that cannot be used
+and a flag that would do nothing, in one line. What is printed is in
+:mod:`kvoffload.cli_output`, the configuration in :mod:`kvoffload.cli_config`, the remote
+commands in :mod:`kvoffload.cli_remote`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from kvoffload import cli_args as kinds
+from kvoffload import cli_output as output
 from kvoffload_spec.errors import InvalidArgumentError, OffloadError
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
-    from kvoffload.checking.verify import VerifyReport
-    from kvoffload.replay.report import RemoteTally, SharedSimulationReport, SimulationReport
     from kvoffload.replay.simulate import MemoryPlan, SimulationConfig
     from kvoffload.replay.sweep import SweepResult
     from kvoffload.replay.traces import Trace
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # a user error (bad trace, size, policy) or a verification that failed
+EXIT_USAGE = 2  # a malformed command line, configuration or flag that does nothing
 EXIT_INTERRUPTED = 130
-PIPED_WIDTH = 100  # a table of text in a pipe or a log wraps its words at this width
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a Unix tool killed by a closed pipe reports
+
+# An option that does nothing without another (given on the command line while the other
+# is set nowhere) is refused rather than quietly ignored.
+NEEDS = {"remote_mode": "remote", "remote_secret_file": "remote"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    from kvoffload.cli_config import ConfigError, layer
+
+    arguments = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(arguments)
     except SystemExit as exit_:  # --help, --version or a usage error: argparse has spoken
         return exit_.code if isinstance(exit_.code, int) else EXIT_ERROR
+    try:
+        layered = layer(parser, arguments, args, os.environ)
+    except ConfigError as error:
+        return _fail(args, str(error), EXIT_USAGE)
+    for option, needed in NEEDS.items():
+        if option in layered.given and needed in vars(args) and getattr(args, needed) is None:
+            return _fail(args, f"{_flag(option)} does nothing without {_flag(needed)}", EXIT_USAGE)
     command: Callable[[argparse.Namespace], int] = args.command
     _search_working_directory()
     try:
@@ -58,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (`... | head`): stop quietly, as Unix tools do
         _discard_stdout()
         return EXIT_BROKEN_PIPE
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def _search_working_directory() -> None:
@@ -88,9 +104,9 @@ def _discard_stdout() -> None:
         os.close(null)
 
 
-def _fail(args: argparse.Namespace, message: str) -> int:
+def _fail(args: argparse.Namespace, message: str, status: int = EXIT_ERROR) -> int:
     print(f"kvoffload {args.command_name}: error: {message}", file=sys.stderr)
-    return EXIT_ERROR
+    return status
 
 
 # -- the command line ----------------------------------------------------------------------
@@ -98,6 +114,8 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     # the policy registry is a few small modules (no torch, no numpy): read names from it
+    from kvoffload.cli_config import leaf_parsers
+    from kvoffload.cli_remote import add_remote_commands
     from kvoffload.policies.loading import BUILTIN_POLICIES
     from kvoffload.replay.simulate import SimulationConfig
     from kvoffload.replay.sweep import DEFAULT_CAPACITIES, SWEEP_POLICIES
@@ -124,18 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_argument(simulate)
     simulate.add_argument(
         "--gpu-blocks",
-        type=_count("blocks"),
+        type=kinds.count("blocks"),
         default=sizes.gpu_blocks,
         metavar="N",
         help="device prefix cache size in blocks; must hold the longest request "
-        f"(default: %(default)s; {_DECIMAL_SUFFIXES})",
+        f"(default: %(default)s; {kinds.DECIMAL_SUFFIXES})",
     )
     simulate.add_argument(
         "--cpu-blocks",
-        type=_count("blocks"),
+        type=kinds.count("blocks"),
         default=sizes.cpu_blocks,
         metavar="N",
-        help=f"CPU pool size in blocks (default: %(default)s; {_DECIMAL_SUFFIXES})",
+        help=f"CPU pool size in blocks (default: %(default)s; {kinds.DECIMAL_SUFFIXES})",
     )
     simulate.add_argument(
         "--policy",
@@ -148,15 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--block-bytes",
-        type=_byte_size,
+        type=kinds.byte_size,
         default=sizes.block_bytes,
         metavar="BYTES",
-        help="bytes per KV block, e.g. 4096, 64KiB, 2MiB; binary units: 1 KiB = 1,024 "
-        "bytes (default: %(default)s)",
+        help="bytes per KV block, e.g. 4096, 64KiB, 2MiB; KiB, MiB, GiB are binary (1 KiB = "
+        "1,024 bytes), KB, MB, GB decimal (1 KB = 1,000 bytes) (default: %(default)s)",
     )
     simulate.add_argument(
         "--requests",
-        type=_count("requests"),
+        type=kinds.count("requests"),
         default=None,
         metavar="N",
         help="replay only the first N requests",
@@ -170,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--instances",
-        type=_count("instances"),
+        type=kinds.count("instances"),
         default=1,
         metavar="N",
         help="N engines serving the trace's requests in turn (request i on engine i mod N), "
@@ -194,14 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--metrics-port",
-        type=_port,
+        type=kinds.port,
         default=None,
         metavar="N",
         help="serve kvoffload's metrics (Prometheus text format) on "
         "http://127.0.0.1:N/metrics while the replay runs (needs prometheus_client: "
         "pip install 'kvoffload[metrics]')",
     )
-    _add_json_argument(simulate)
+    kinds.add_json_argument(simulate)
     simulate.set_defaults(command=_run_simulate, command_name="simulate")
 
     sweep = commands.add_parser(
@@ -213,15 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_argument(sweep)
     sweep.add_argument(
         "--gpu-blocks",
-        type=_count("blocks", minimum=0),
+        type=kinds.count("blocks", minimum=0),
         default=0,
         metavar="N",
         help="device prefix cache in front of the CPU tier; 0 means a single tier "
-        f"(default: %(default)s; {_DECIMAL_SUFFIXES})",
+        f"(default: %(default)s; {kinds.DECIMAL_SUFFIXES})",
     )
     sweep.add_argument(
         "--capacities",
-        type=_count_list,
+        type=kinds.count_list,
         default=",".join(map(str, DEFAULT_CAPACITIES)),
         metavar="N,N,...",
         help="CPU capacities in blocks, e.g. 1000,4k,16k; decimal suffixes: 4k = 4,000 and "
@@ -229,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument(
         "--policies",
-        type=_name_list,
+        type=kinds.name_list,
         default=",".join(SWEEP_POLICIES),
         metavar="P,P,...",
         help=f"any of {', '.join(SWEEP_POLICIES)}, or your own as module:Class "
@@ -241,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="draw the curves into FILE, a .png, .svg or .pdf (needs matplotlib: "
         "pip install 'kvoffload[plot]'); checked before the sweep starts",
     )
-    _add_json_argument(sweep)
+    kinds.add_json_argument(sweep)
     sweep.set_defaults(command=_run_sweep, command_name="sweep")
 
     verify = commands.add_parser(
@@ -260,13 +278,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument(
         "--budget",
-        type=_seconds,
+        type=kinds.seconds,
         default=60.0,
         metavar="SECONDS",
         help="time budget for both checks together (default: %(default)s)",
     )
-    _add_json_argument(verify)
+    kinds.add_json_argument(verify)
     verify.set_defaults(command=_run_verify, command_name="verify")
+    add_remote_commands(commands)
+    for leaf in leaf_parsers(parser).values():
+        leaf.add_argument(
+            "--config",
+            metavar="PATH",
+            default=None,
+            help="a TOML file of defaults for these options (default: $KVOFFLOAD_CONFIG); "
+            "the command line wins over KVOFFLOAD_<OPTION> variables, which win over it",
+        )
     return parser
 
 
@@ -281,93 +308,10 @@ def _add_trace_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_json_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
-
-
 def _version() -> str:
     import kvoffload
 
     return kvoffload.__version__
-
-
-# -- argument types: argparse turns their ValueError into a usage error ---------------------
-
-
-_DECIMAL_SUFFIXES = "decimal suffixes: 4k = 4,000"
-
-
-def _count(unit: str, minimum: int = 1) -> Callable[[str], int]:
-    """An argument type: a whole number of ``unit`` of at least ``minimum``, where ``4k``
-    means 4,000 and ``1m`` 1,000,000 (decimal, as in the reference tables; byte sizes are
-    binary instead: 1 KiB = 1,024 bytes).
-    """
-
-    def parse(text: str) -> int:
-        cleaned = text.strip().lower().replace("_", "")
-        factor = 1
-        if cleaned.endswith("k"):
-            cleaned, factor = cleaned[:-1], 1000
-        elif cleaned.endswith("m"):
-            cleaned, factor = cleaned[:-1], 1_000_000
-        negative = cleaned.startswith("-") and cleaned[1:].isdigit()
-        if not cleaned.isdigit() and not negative:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of {unit}")
-        value = int(cleaned) * factor
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be at least {minimum}")
-        return value
-
-    parse.__name__ = f"number of {unit}"  # argparse names the type in some messages
-    return parse
-
-
-_BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-
-
-def _byte_size(text: str) -> int:
-    cleaned = text.strip().lower().replace("_", "")
-    digits = cleaned.rstrip("abigkm")
-    unit = _BYTE_UNITS.get(cleaned[len(digits) :])
-    if not digits.isdigit() or unit is None or int(digits) == 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a positive size in bytes (e.g. 4096, 64KiB, 2MiB)"
-        )
-    return int(digits) * unit
-
-
-def _count_list(text: str) -> list[int]:
-    counts = [_count("blocks")(part) for part in text.split(",") if part.strip()]
-    if not counts:
-        raise argparse.ArgumentTypeError("give at least one capacity, e.g. 1000,4k")
-    return counts
-
-
-def _name_list(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("give at least one policy, e.g. lru,belady")
-    return names
-
-
-def _seconds(text: str) -> float:
-    from kvoffload_spec.errors import InvalidArgumentError
-    from kvoffload_spec.validation import check_seconds
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    try:
-        return check_seconds("the value", value)
-    except InvalidArgumentError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
-    return int(text)
 
 
 # -- the commands ---------------------------------------------------------------------------
@@ -392,9 +336,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
         print(f"kvoffload simulate: metrics on {where} while it runs", file=sys.stderr)
     if args.remote is not None or args.instances > 1:
         return _run_simulate_shared(args, trace, config)
-    console = _console(stderr=True)
+    console = output.console(stderr=True)
     try:
-        with _progress(console, enabled=not args.json) as progress:
+        with output.progress(console, enabled=not args.json) as progress:
             task = progress.add_task(f"replaying {trace.name}", total=None)
             report = simulate(
                 trace,
@@ -407,40 +351,88 @@ def _run_simulate(args: argparse.Namespace) -> int:
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
     except ImportError as error:  # --metrics-port without prometheus_client
         return _fail(args, str(error))
+    except Exception as error:
+        return _fail(args, _raised_by_policy(error, [args.policy]))
     if args.json:
-        _print_json(report.to_json())
+        output.print_json(report.to_json())
     else:
-        _show_simulation(trace, report)
+        output.show_simulation(trace, report)
     if not report.all_loads_verified:
         return _fail(args, f"{report.load_mismatches} loaded blocks differ from what was stored")
     return EXIT_OK
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    from kvoffload.replay.sweep import sweep
+    from kvoffload.replay.sweep import SweepInterrupted, sweep
     from kvoffload.replay.traces import resolve_trace
 
     trace = resolve_trace(args.trace)
     if args.plot is not None:
-        _check_plot_target(args.plot)
-    console = _console(stderr=True)
-    with _progress(console, enabled=not args.json) as progress:
-        total = len(args.capacities) * len(args.policies)
-        task = progress.add_task(f"sweeping {trace.name}", total=total)
-        result = sweep(
-            trace,
-            args.capacities,
-            args.policies,
-            gpu_blocks=args.gpu_blocks,
-            on_point=lambda _point: progress.advance(task),
+        output.check_plot_target(args.plot)
+    console = output.console(stderr=True)
+    total = len(args.capacities) * len(args.policies)
+    try:
+        with output.progress(console, enabled=not args.json) as progress:
+            task = progress.add_task(f"sweeping {trace.name}", total=total)
+            result = sweep(
+                trace,
+                args.capacities,
+                args.policies,
+                gpu_blocks=args.gpu_blocks,
+                on_point=lambda _point: progress.advance(task),
+            )
+    except SweepInterrupted as interrupted:  # Ctrl-C: the points done are not thrown away
+        partial = interrupted.result
+        if partial.points:
+            _show_sweep_result(args, trace, partial)
+        print(
+            f"kvoffload sweep: interrupted after {len(partial.points)} of {total} points",
+            file=sys.stderr,
         )
-    if args.json:
-        _print_json(result.to_json())
-    else:
-        _show_sweep(trace, args.gpu_blocks, result)
+        return EXIT_INTERRUPTED
+    except Exception as error:
+        return _fail(args, _raised_by_policy(error, args.policies))
+    _show_sweep_result(args, trace, result)
     if args.plot is not None:
-        _plot_sweep(trace, args.gpu_blocks, result, args.plot)
+        output.plot_sweep(trace, args.gpu_blocks, result, args.plot)
     return EXIT_OK
+
+
+def _show_sweep_result(args: argparse.Namespace, trace: Trace, result: SweepResult) -> None:
+    if args.json:
+        output.print_json(result.to_json())
+    else:
+        output.show_sweep(trace, args.gpu_blocks, result)
+
+
+def _raised_by_policy(error: Exception, policies: Sequence[str]) -> str:
+    """What a user's own policy (``module:Class``) raised, where, in one line, as ``verify``
+    says it; an error that did not come out of one is raised on (a bug of kvoffload's own,
+    whose traceback is what its report needs)."""
+    import traceback
+    from pathlib import Path
+
+    from kvoffload.policies.loading import resolve_policy
+
+    files: dict[str, str] = {}
+    for name in policies:
+        if ":" in name:
+            module = sys.modules.get(resolve_policy(name).__module__)
+            source = getattr(module, "__file__", None)
+            if source is not None:
+                files[os.path.realpath(source)] = name
+    frames = traceback.extract_tb(error.__traceback__)
+    owners = [
+        files[path] for path in map(os.path.realpath, (f.filename for f in frames)) if path in files
+    ]
+    if not owners:
+        raise error
+    where = frames[-1]
+    return (
+        f"policy {owners[-1]} raised {type(error).__name__}({error}) at "
+        f"{Path(where.filename).name}:{where.lineno}: {where.line} "
+        f"(kvoffload verify --policy {owners[-1]} shows how)"
+    )
 
 
 def _run_verify(args: argparse.Namespace) -> int:
@@ -454,109 +446,21 @@ def _run_verify(args: argparse.Namespace) -> int:
         )
     from kvoffload.checking.verify import verify
 
-    console = _console(stderr=True)
-    with _progress(console, enabled=not args.json, unit="s") as progress:
+    console = output.console(stderr=True)
+    with output.progress(console, enabled=not args.json, unit="s") as progress:
         # the checks share the time budget: the bar is the budget spent
         task = progress.add_task(f"verifying {args.policy}", total=args.budget)
-        with _ticking(lambda spent: progress.update(task, completed=min(spent, args.budget))):
+        with output.ticking(lambda spent: progress.update(task, completed=min(spent, args.budget))):
             report = verify(
                 args.policy,
                 budget_s=args.budget,
                 on_stage=lambda stage: progress.update(task, description=stage),
             )
     if args.json:
-        _print_json(report.to_json())
+        output.print_json(report.to_json())
     else:
-        _show_verification(report)
+        output.show_verification(report)
     return EXIT_OK if report.passed else EXIT_ERROR
-
-
-# -- output ----------------------------------------------------------------------------------
-
-
-def _print_json(payload: object) -> None:
-    json.dump(payload, sys.stdout, indent=2)
-    sys.stdout.write("\n")
-
-
-def _console(stderr: bool = False) -> Console:
-    from rich.console import Console
-
-    class PipeAwareConsole(Console):
-        def on_broken_pipe(self) -> None:
-            # rich would exit with status 1 here; main() ends the way it ends any command
-            self.quiet = True
-            raise BrokenPipeError
-
-    return PipeAwareConsole(stderr=stderr)
-
-
-def _progress(console: Console, enabled: bool, unit: str = "") -> Any:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(separator="/" if not unit else f" {unit} / "),
-        TimeElapsedColumn(),
-        "eta",
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-        # a bar is for a person watching: not in a pipe, a log or with --json
-        disable=not (enabled and console.is_terminal),
-    )
-
-
-@contextmanager
-def _ticking(tick: Callable[[float], None], every_s: float = 0.5) -> Iterator[None]:
-    """Call ``tick(seconds since start)`` every ``every_s`` on a daemon thread while the
-    block runs (for work that reports no progress of its own)."""
-    import threading
-
-    started = time.monotonic()
-    done = threading.Event()
-
-    def loop() -> None:
-        while not done.wait(every_s):
-            tick(time.monotonic() - started)
-
-    thread = threading.Thread(target=loop, name="kvoffload-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-
-
-def _table(
-    title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: bool = True
-) -> None:
-    """Print a table; ``numeric`` right-aligns every column but the first."""
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for index, column in enumerate(columns):
-        table.add_column(column, justify="right" if numeric and index else "left")
-    for row in rows:
-        table.add_row(*row)
-    console = _console()
-    if not console.is_terminal:
-        # In a pipe or a log nothing limits the width: print a table of numbers with every
-        # column whole (a sweep of every built-in policy is wider than 80 columns), and
-        # wrap the words of a table of text at a width that reads.
-        from rich.measure import Measurement
-
-        natural = Measurement.get(console, console.options.update_width(1_000), table).maximum
-        console.width = max(console.width, natural if numeric else min(natural, PIPED_WIDTH))
-    console.print(table)
 
 
 def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: SimulationConfig) -> int:
@@ -572,11 +476,9 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
         except InvalidArgumentError as error:  # names the file or the variable, never bytes
             return _fail(args, str(error))
         _check_remote_answers(args.remote)
-    elif args.remote_secret_file is not None:
-        return _fail(args, "--remote-secret-file needs --remote")
-    console = _console(stderr=True)
+    console = output.console(stderr=True)
     try:
-        with _progress(console, enabled=not args.json) as progress:
+        with output.progress(console, enabled=not args.json) as progress:
             task = progress.add_task(f"replaying {trace.name}", total=None)
             shared = simulate_shared(
                 trace,
@@ -593,10 +495,12 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
     except ImportError as error:  # --remote without the client: pip install 'kvoffload[remote]'
         return _fail(args, str(error))
+    except Exception as error:
+        return _fail(args, _raised_by_policy(error, [args.policy]))
     if args.json:
-        _print_json(shared.to_json())
+        output.print_json(shared.to_json())
     else:
-        _show_shared_simulation(trace, shared, shared.remote_url)
+        output.show_shared_simulation(trace, shared, shared.remote_url)
     tally = shared.total.remote
     if tally is not None and tally.failures:
         _warn(
@@ -657,176 +561,6 @@ def _check_remote_answers(url: str) -> None:
 
 def _warn(args: argparse.Namespace, message: str) -> None:
     print(f"kvoffload {args.command_name}: warning: {message}", file=sys.stderr)
-
-
-def _show_shared_simulation(
-    trace: Trace, shared: SharedSimulationReport, remote: str | None
-) -> None:
-    """One row per engine and one for them all; what they share is said once, above."""
-    total = shared.total
-    engines = len(shared.engines)
-    if remote is not None and shared.remote_sealed:
-        remote += " (values sealed with the tenant secret)"
-    if engines == 1:  # one engine and a remote: its summary says it all
-        _show_simulation(trace, total, remote)
-        return
-    where = f"sharing the remote tier {remote}" if remote else "with no remote tier"
-    _table(
-        f"kvoffload simulate: {trace.name}, {total.requests:,} requests over {engines} "
-        f"engine{'s' if engines != 1 else ''} {where}\neach engine: "
-        f"{shared.engines[0].engine_description()}\nreusable at most (an infinite cache): "
-        f"{total.reusable_ratio:.4f} of {total.block_refs:,} block references",
-        [column for column, _ in _ENGINE_COLUMNS],
-        [
-            (name, *(cell(report) for _, cell in _ENGINE_COLUMNS[1:]))
-            for name, report in [
-                *((f"engine {i}", report) for i, report in enumerate(shared.engines)),
-                ("all engines", total),
-            ]
-        ],
-    )
-
-
-def _remote_cell(report: SimulationReport, cell: Callable[[RemoteTally], str]) -> str:
-    return "-" if report.remote is None else cell(report.remote)
-
-
-_ENGINE_COLUMNS: list[tuple[str, Callable[[SimulationReport], str]]] = [
-    ("", lambda report: ""),
-    ("requests", lambda report: f"{report.requests:,}"),
-    ("device hits", lambda report: f"{report.device_hit_ratio:.4f}"),
-    ("CPU hits", lambda report: f"{report.cpu_hit_ratio:.4f}"),
-    (
-        "remote hits",
-        lambda report: _remote_cell(report, lambda r: f"{r.hits / report.block_refs:.4f}"),
-    ),
-    (
-        "by sharing",
-        lambda report: _remote_cell(report, lambda r: f"{r.shared_hits / report.block_refs:.4f}"),
-    ),
-    ("recomputed", lambda report: f"{report.miss_ratio:.4f}"),
-    ("stored", lambda report: f"{report.blocks_stored:,}"),
-    ("loaded", lambda report: f"{report.blocks_loaded:,}"),
-    ("remote failures", lambda report: _remote_cell(report, lambda r: f"{r.failures:,}")),
-    (
-        "verified",
-        lambda report: "byte-exact" if report.all_loads_verified else "DIFFER",
-    ),
-]
-
-
-def _show_simulation(trace: Trace, report: SimulationReport, remote: str | None = None) -> None:
-    behind = f", remote tier {remote}" if remote else ""
-    _table(
-        f"kvoffload simulate: {trace.name}\n{report.engine_description()}{behind}",
-        ["", "value", ""],
-        report.summary_rows(),
-        numeric=False,
-    )
-
-
-def _ratio(value: float) -> str:
-    return f"{value:.4f}"
-
-
-def _show_sweep(trace: Trace, gpu_blocks: int, result: SweepResult) -> None:
-    policies = list(dict.fromkeys(p.policy for p in result.points))
-    by_capacity: dict[int, dict[str, float]] = {}
-    for point in result.points:
-        by_capacity.setdefault(point.capacity, {})[point.policy] = point.hit_ratio
-    columns = ["CPU blocks", *policies]
-    compared = [p for p in policies if p != "belady"] if "belady" in policies else []
-    columns += [f"{p}/belady" for p in compared]
-    rows = []
-    for capacity, ratios in by_capacity.items():
-        row = [f"{capacity:,}", *(_ratio(ratios[p]) for p in policies)]
-        optimum = ratios.get("belady", 0.0)
-        row += [_ratio(ratios[p] / optimum) if optimum else "-" for p in compared]
-        rows.append(row)
-    tier = (
-        "single tier"
-        if gpu_blocks == 0
-        else f"CPU tier behind {gpu_blocks:,} device blocks "
-        f"(device hit ratio {_ratio(result.device_hit_ratio)})"
-    )
-    _table(
-        f"kvoffload sweep: {trace.name}, {trace.num_refs:,} block refs, {tier}; "
-        f"infinite cache {_ratio(trace.ideal_hit_ratio)}",
-        columns,
-        rows,
-    )
-
-
-def _show_verification(report: VerifyReport) -> None:
-    _table(
-        f"kvoffload verify: {report.policy}",
-        ["check", "result"],
-        report.summary_rows(),
-        numeric=False,
-    )
-    if report.counterexample:
-        print(f"\ncounterexample:\n{report.counterexample}")
-
-
-PLOT_FORMATS = (".png", ".svg", ".pdf")
-
-
-def _check_plot_target(path: str) -> None:
-    """Fail before a long sweep, not after it, when the plot cannot be drawn or written."""
-    import importlib.util
-    from pathlib import Path
-
-    target = Path(path)
-    if target.suffix.lower() not in PLOT_FORMATS:
-        raise InvalidArgumentError(
-            f"--plot wants a file name ending in {', '.join(PLOT_FORMATS)}, got {path!r}"
-        )
-    folder = target.parent
-    if not folder.is_dir():
-        raise InvalidArgumentError(f"cannot write {path}: no directory {str(folder)!r}")
-    if target.is_dir():
-        raise InvalidArgumentError(f"cannot write {path}: it is a directory")
-    writable = os.access(target, os.W_OK) if target.exists() else os.access(folder, os.W_OK)
-    if not writable:
-        raise InvalidArgumentError(f"cannot write {path}: permission denied")
-    if importlib.util.find_spec("matplotlib") is None:
-        raise InvalidArgumentError(
-            "--plot needs matplotlib, which is not installed: pip install 'kvoffload[plot]'"
-        )
-
-
-def _plot_sweep(trace: Trace, gpu_blocks: int, result: SweepResult, path: str) -> None:
-    import importlib
-
-    matplotlib: Any = importlib.import_module("matplotlib")
-    matplotlib.use("Agg")  # files only: never open a window
-    pyplot: Any = importlib.import_module("matplotlib.pyplot")
-    figure, axes = pyplot.subplots(figsize=(7, 4.5))
-    for policy in dict.fromkeys(p.policy for p in result.points):
-        points = [p for p in result.points if p.policy == policy]
-        axes.plot(
-            [p.capacity for p in points],
-            [p.hit_ratio for p in points],
-            marker="o",
-            linestyle="--" if policy == "belady" else "-",
-            label=policy,
-        )
-    axes.axhline(trace.ideal_hit_ratio, color="grey", linewidth=0.8, label="infinite cache")
-    axes.set_xscale("log")
-    axes.set_xlabel("CPU capacity (blocks)")
-    axes.set_ylabel("block hit ratio")
-    tier = "single tier" if gpu_blocks == 0 else f"behind {gpu_blocks:,} device blocks"
-    axes.set_title(f"{trace.name} trace, {tier}")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    try:
-        figure.savefig(path, dpi=120)
-    except OSError as error:
-        raise InvalidArgumentError(f"cannot write {path}: {error.strerror}") from None
-    finally:
-        pyplot.close(figure)
-    print(f"plot written to {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ exists to catch: each with the symptom its counterexample must show."""
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvoffload.policies.base import EvictionPolicy
@@ -25,6 +25,13 @@ class RefusesToEvictTwo(LruPolicy):
         return None if need > 1 else super().choose_victims(need, protected)
 
 
+class RaisesOnEviction(LruPolicy):
+    """A crash: the first eviction raises (a bug in the author's own code)."""
+
+    def evict(self, victims: Sequence[Key]) -> None:
+        raise ZeroDivisionError("the author divided by the pool's free blocks")
+
+
 @dataclass(frozen=True)
 class UserPolicyBug:
     policy: type[EvictionPolicy]
@@ -34,4 +41,5 @@ class UserPolicyBug:
 USER_POLICY_BUGS = (
     UserPolicyBug(IgnoresProtection, "raised PolicyContractError"),
     UserPolicyBug(RefusesToEvictTwo, "prepare_store refused 2 absent keys"),
+    UserPolicyBug(RaisesOnEviction, "raised ZeroDivisionError(the author divided"),
 )

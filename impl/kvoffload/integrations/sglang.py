@@ -22,6 +22,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvoffload.manager import OffloadManager
+from kvoffload.units import byte_size
 from kvoffload_spec.defaults import (
     DEFAULT_MAX_TRACKER_SIZE,
     DEFAULT_POLICY,
@@ -41,10 +42,11 @@ _DEFAULT_PAGES = 4096
 class KvoffloadHiCacheStorage(HiCacheStorage):
     """SGLang's ``HiCacheStorage`` over kvoffload's manager and a CPU page pool.
 
-    Extra config: ``num_pages`` (pool size in pages, default 4096) or ``cpu_bytes_to_use``;
-    ``eviction_policy`` (any kvoffload policy name, default ``lru``); ``store_threshold``,
-    ``max_tracker_size`` as for the manager. The pool is allocated when the host pool is
-    registered (the page size in bytes is known only then).
+    Extra config: ``num_pages`` (pool size in pages, default 4096) or ``cpu_bytes_to_use``
+    (bytes, or a str with a unit: ``"16GiB"``); ``eviction_policy`` (any kvoffload policy
+    name, default ``lru``); ``store_threshold``, ``max_tracker_size`` as for the manager.
+    The pool is allocated when the host pool is registered (the page size in bytes is
+    known only then).
 
     A remote tier: ``remote_url`` (``redis://host:port/db``, ``rediss://`` for TLS...);
     ``remote_namespace`` (optional str or mapping, added to the namespace derived from
@@ -83,7 +85,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         page_bytes = page.numel() * page.element_size()
         budget = self._extra.get("cpu_bytes_to_use")
         num_pages = (
-            int(budget) // page_bytes
+            byte_size(budget, "cpu_bytes_to_use") // page_bytes
             if budget
             else int(self._extra.get("num_pages", _DEFAULT_PAGES))
         )

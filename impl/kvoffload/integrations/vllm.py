@@ -14,6 +14,7 @@ Importing this module imports vLLM; ``import kvoffload`` never does.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict, deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
     get_offload_group_idx,
 )
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -48,6 +50,7 @@ from kvoffload.integrations.vllm_metrics import MANAGER_METRICS, StepReport, def
 from kvoffload.manager import OffloadManager
 from kvoffload.metrics import manager_samples
 from kvoffload.transfer import CpuBlockPool, KVLayout, TransferEngine
+from kvoffload.units import byte_size
 from kvoffload_spec.defaults import (
     DEFAULT_MAX_TRACKER_SIZE,
     DEFAULT_POLICY,
@@ -443,7 +446,21 @@ def _manager_for(spec: CPUOffloadingSpec) -> KvoffloadManager:
 
 
 class KvoffloadManagerSpec(CPUOffloadingSpec):
-    """kvoffload's manager, vLLM's own CPU worker (its sizing and metrics kept)."""
+    """kvoffload's manager, vLLM's own CPU worker (its sizing and metrics kept).
+
+    ``cpu_bytes_to_use`` may be written with a unit (``"16GiB"``, ``"64GB"``,
+    :mod:`kvoffload.units`), as well as a plain number of bytes.
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        budget = config.extra_config.get("cpu_bytes_to_use")
+        if isinstance(budget, str):
+            extra = {
+                **config.extra_config,
+                "cpu_bytes_to_use": byte_size(budget, "cpu_bytes_to_use"),
+            }
+            config = dataclasses.replace(config, extra_config=extra)
+        super().__init__(config)
 
     @classmethod
     def build_metric_definitions(

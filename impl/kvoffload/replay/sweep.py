@@ -195,10 +195,13 @@ class SweepResult:
     block_refs: int = 0
     gpu_blocks: int = 0
     infinite_cache_hit_ratio: float = 0.0
+    partial: bool = False  # interrupted: the points done before it
 
     def to_json(self) -> dict[str, object]:
-        """The format of ``kvoffload sweep --json``."""
+        """The format of ``kvoffload sweep --json`` (with ``"partial": true`` added when the
+        sweep was interrupted)."""
         return {
+            **({"partial": True} if self.partial else {}),
             "trace": self.trace,
             "requests": self.requests,
             "block_refs": self.block_refs,
@@ -212,6 +215,14 @@ class SweepResult:
         }
 
 
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a sweep, with the points it had finished (``result.partial``)."""
+
+    def __init__(self, result: SweepResult) -> None:
+        super().__init__(f"interrupted after {len(result.points)} points")
+        self.result = result
+
+
 def sweep(
     trace: Trace,
     capacities: Sequence[int],
@@ -223,27 +234,36 @@ def sweep(
 ) -> SweepResult:
     """The CPU tier's hit ratio for each capacity and policy; ``on_point`` hears each one.
 
-    Every argument is checked before any work: see ``check_sweep_args``.
+    Every argument is checked before any work: see ``check_sweep_args``. Ctrl-C (or any
+    ``KeyboardInterrupt``) raises :class:`SweepInterrupted` with the points done so far.
     """
     labelled = check_sweep_args(trace, capacities, policies, gpu_blocks)
     stream, device_hits = cpu_stream(trace.requests, gpu_blocks)
     refs = trace.num_refs or 1  # an all-empty trace has no hits either way
     points: list[SweepPoint] = []
-    for capacity in capacities:
-        for label, policy in labelled.items():
-            if policy == BELADY:
-                hits = belady_hits(stream, capacity)
-            else:
-                hits = replay(stream, new_tier(policy, capacity)).hits
-            points.append(SweepPoint(label, capacity, hits / refs))
-            if on_point is not None:
-                on_point(points[-1])
-    return SweepResult(
-        tuple(points),
-        device_hits / refs,
-        trace=trace.name,
-        requests=trace.num_requests,
-        block_refs=trace.num_refs,
-        gpu_blocks=gpu_blocks,
-        infinite_cache_hit_ratio=trace.ideal_hit_ratio,
-    )
+
+    def result(partial: bool = False) -> SweepResult:
+        return SweepResult(
+            tuple(points),
+            device_hits / refs,
+            trace=trace.name,
+            requests=trace.num_requests,
+            block_refs=trace.num_refs,
+            gpu_blocks=gpu_blocks,
+            infinite_cache_hit_ratio=trace.ideal_hit_ratio,
+            partial=partial,
+        )
+
+    try:
+        for capacity in capacities:
+            for label, policy in labelled.items():
+                if policy == BELADY:
+                    hits = belady_hits(stream, capacity)
+                else:
+                    hits = replay(stream, new_tier(policy, capacity)).hits
+                points.append(SweepPoint(label, capacity, hits / refs))
+                if on_point is not None:
+                    on_point(points[-1])
+    except KeyboardInterrupt as interrupt:
+        raise SweepInterrupted(result(partial=True)) from interrupt
+    return result()

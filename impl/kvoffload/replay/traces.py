@@ -28,6 +28,7 @@ False
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import hashlib
 import json
@@ -268,6 +269,15 @@ def resolve_trace(spec: str | None) -> Trace:
     """
     if spec is None:
         return bundled_trace()
-    if spec in BUNDLED_TRACES and not Path(spec).exists():
+    path = Path(spec)
+    if spec in BUNDLED_TRACES and not path.exists():
         return bundled_trace(spec)
+    if not path.exists() and path.name == spec and not path.suffix:
+        # a bare word that is no file: most likely a bundled trace's name, mistyped
+        close = difflib.get_close_matches(spec, BUNDLED_TRACES, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise TraceError(
+            f"no trace file or bundled trace {spec!r} ({hint}bundled traces: "
+            f"{', '.join(BUNDLED_TRACES)})"
+        )
     return load_trace(spec)

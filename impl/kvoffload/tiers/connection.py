@@ -49,6 +49,10 @@ class ProtocolError(Exception):
     """A reply that no command sent here can have: the connection is out of step."""
 
 
+class Refused(Exception):
+    """The server refused the connection's AUTH or SELECT."""
+
+
 class ServerClosed(ConnectionError):
     """The server (or whatever is at the address) closed the connection."""
 
@@ -137,6 +141,28 @@ class Link:
             sock.close()
             raise
         return cls(sock)
+
+    def authenticate(self, address: ServerAddress, deadline: Deadline) -> None:
+        """AUTH with the address's credentials and SELECT its database (pipelined, one
+        round trip; nothing sent when neither is needed)."""
+        setup: list[bytes] = []
+        if address.password is not None:
+            credentials = [address.password.encode()]
+            if address.username:
+                credentials.insert(0, address.username.encode())
+            setup.append(pack(b"AUTH", credentials))
+        if address.db:
+            setup.append(pack(b"SELECT", [b"%d" % address.db]))
+        if not setup:
+            return
+        self.send([b"".join(setup)], deadline)
+        for command in setup:
+            reply = self.reply(deadline)
+            if isinstance(reply, ErrorReply):
+                verb = command.split(b"\r\n")[2].decode()
+                raise Refused(f"{verb} refused: {reply.message}")
+            if reply != b"OK":
+                raise ProtocolError(f"{reply!r:.40} where OK was expected")
 
     def shutdown(self) -> None:
         """End the connection from any thread: a call blocked on it returns at once. The

@@ -41,6 +41,7 @@ from .connection import (
     Link,
     Oversized,
     ProtocolError,
+    Refused,
     Reply,
     ServerClosed,
     pack,
@@ -48,7 +49,15 @@ from .connection import (
 )
 from .secret import resolve_secret
 from .store import Payload, RemoteStats, StoreClosedError, WritableBuffer
-from .values import MAX_KEY_BYTES, MAX_VALUE_BYTES, Namespace, Rejection, as_payload, encode_key
+from .values import (
+    MAX_KEY_BYTES,
+    MAX_VALUE_BYTES,
+    Namespace,
+    PlainFormat,
+    Rejection,
+    as_payload,
+    encode_key,
+)
 from .values import value_format as make_format
 
 T = TypeVar("T")
@@ -68,6 +77,8 @@ MAX_COMMAND_BYTES = 4 * 1024 * 1024
 # values are hashed while the server reads these (and that a value hashed is still in the
 # cache when the kernel copies it). 256 KiB to 4 MiB measured alike within the noise here.
 _SEND_EVERY = 1024 * 1024
+# The namespace's description, after the namespace's key prefix (see _describe_namespace).
+DESCRIPTION_NAME = b"#description"
 # Below this, pieces of a command are joined into one buffer (one send, not many).
 _JOIN_BELOW = 16 * 1024
 # The largest payload a get reads by default (a KV block is 0.5-2.5 MiB in practice).
@@ -77,10 +88,6 @@ MAX_TIMEOUT_S = 3600.0
 # Error replies after which the server is left alone for retry_after_s: it says it cannot
 # serve now (loading its data, its primary down, a script running).
 _BACK_OFF = {"LOADING", "MASTERDOWN", "BUSY", "TRYAGAIN"}
-
-
-class _Refused(Exception):
-    """The server refused the connection's AUTH or SELECT."""
 
 
 class ValkeyStore:
@@ -157,6 +164,8 @@ class ValkeyStore:
         self._counts: Counter[str] = Counter()
         self._last_error: str | None = None
         self._scratch = bytearray()  # where get_into reads a value before checking it
+        # A sealed store never describes itself: its server keys hide whose they are.
+        self._described = not isinstance(self._format, PlainFormat)
 
     # -- the surface ---------------------------------------------------------------------
 
@@ -251,10 +260,9 @@ class ValkeyStore:
             self._error_replies(replies)
             return [_acknowledged(reply) for reply in replies]
 
+        deadline = Deadline(self._timeout_s)
         acknowledged = self._call(
-            lambda: self._mset_sends(encoded, names, payloads, spans),
-            read,
-            Deadline(self._timeout_s),
+            lambda: self._mset_sends(encoded, names, payloads, spans), read, deadline
         )
         stored: list[bool] = []
         sent = 0
@@ -263,6 +271,10 @@ class ValkeyStore:
             if ok:
                 sent += sum(payload.nbytes for payload in payloads[start:stop])
         good = sum(stored)
+        # Within the put's own deadline, and only with half of it left: a put never waits
+        # for the description; a later put writes it.
+        if good and not self._described and deadline.at - time.monotonic() > self._timeout_s / 2:
+            self._describe_namespace(deadline)
         joined = sum(payload.nbytes for payload in payloads if payload.nbytes < _JOIN_BELOW)
         self._count(
             put_calls=1,
@@ -273,6 +285,23 @@ class ValkeyStore:
             bytes_copied=joined,
         )
         return stored
+
+    def _describe_namespace(self, deadline: Deadline) -> None:
+        """Write the namespace's description under ``kvo1:<fingerprint>:#description``, once
+        per store, so that ``kvoffload remote stats`` can say whose blocks these are. Only
+        a hint for people: nothing reads it back. It is under the namespace's prefix (an ACL
+        on the prefix covers it, a clear of the namespace takes it) and no block's key is
+        it: an encoded key starts with its type's letter, never ``#``. Sent as an MSET so
+        that the commands the store needs stay the ones the ACL recipe grants."""
+        name = self._format.key_prefix + DESCRIPTION_NAME
+        text = self._namespace.description.encode("utf-8", "surrogatepass")
+
+        def read(link: Link, deadline: Deadline) -> bool:
+            reply = link.reply(deadline)
+            self._error_replies([reply])
+            return _acknowledged(reply)
+
+        self._described = bool(self._call(_once(pack(b"MSET", [name, text])), read, deadline))
 
     def contains(self, keys: Sequence[Hashable]) -> list[bool]:
         """Whether the server has a value under each key (not checked: a hint)."""
@@ -523,7 +552,7 @@ class ValkeyStore:
                     return self._attempt(link, sends, read, deadline)
             except _Answered:
                 return failed  # type: ignore[no-any-return]
-            except _Refused as error:
+            except Refused as error:
                 self._fail("server_errors", error)
             except ProtocolError as error:
                 self._fail("protocol_errors", error)
@@ -561,24 +590,7 @@ class ValkeyStore:
         if self._closed:  # close() came while this call connected: it found nothing to shut
             raise ServerClosed("the store was closed during the call")
         self._count(connects=1)
-        address = self._address
-        setup: list[bytes] = []
-        if address.password is not None:
-            credentials = [address.password.encode()]
-            if address.username:
-                credentials.insert(0, address.username.encode())
-            setup.append(pack(b"AUTH", credentials))
-        if address.db:
-            setup.append(pack(b"SELECT", [b"%d" % address.db]))
-        if setup:
-            link.send([b"".join(setup)], deadline)
-            for command in setup:
-                reply = link.reply(deadline)
-                if isinstance(reply, ErrorReply):
-                    verb = command.split(b"\r\n")[2].decode()
-                    raise _Refused(f"{verb} refused: {reply.message}")
-                if reply != b"OK":
-                    raise ProtocolError(f"{reply!r:.40} where OK was expected")
+        link.authenticate(self._address, deadline)
         return link, True
 
     def _error_replies(self, replies: Sequence[Reply]) -> None:
