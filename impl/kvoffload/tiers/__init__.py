@@ -1,8 +1,10 @@
-"""Tiers behind the CPU block pool: a remote block store shared by engines.
+"""Tiers behind the CPU block pool: a remote block store shared by engines, a local disk.
 
 - ``RemoteStore``: the contract (:mod:`kvoffload.tiers.store`);
 - ``ValkeyStore``: the store on a Valkey or Redis server (:mod:`kvoffload.tiers.valkey_store`,
   needs ``kvoffload[remote]``);
+- ``DiskStore``: the store on a local directory, bounded and restart-safe
+  (:mod:`kvoffload.tiers.disk_store`, needs ``kvoffload[disk]``);
 - ``RemoteTier``: a store's calls on a worker thread behind a bounded queue
   (:mod:`kvoffload.tiers.background`);
 - ``Namespace`` keeps two models or KV layouts apart on one server, and the value format makes
@@ -19,6 +21,10 @@ from typing import TYPE_CHECKING, Any
 from kvoffload.tiers.store import RemoteStats, RemoteStore, StoreClosedError
 
 if TYPE_CHECKING:
+    from kvoffload.tiers.disk_layout import DiskInUseError as DiskInUseError
+    from kvoffload.tiers.disk_layout import DiskLayoutError as DiskLayoutError
+    from kvoffload.tiers.disk_store import DiskStats as DiskStats
+    from kvoffload.tiers.disk_store import DiskStore as DiskStore
     from kvoffload.tiers.background import JobNotDoneError as JobNotDoneError
     from kvoffload.tiers.background import RemoteJob as RemoteJob
     from kvoffload.tiers.background import RemoteTier as RemoteTier
@@ -28,6 +34,10 @@ if TYPE_CHECKING:
     from kvoffload.tiers.values import Rejection as Rejection
 
 __all__ = [
+    "DiskInUseError",
+    "DiskLayoutError",
+    "DiskStats",
+    "DiskStore",
     "JobNotDoneError",
     "Namespace",
     "Rejection",
@@ -41,6 +51,10 @@ __all__ = [
 ]
 
 _LAZY: dict[str, str] = {
+    "DiskInUseError": "kvoffload.tiers.disk_layout",
+    "DiskLayoutError": "kvoffload.tiers.disk_layout",
+    "DiskStats": "kvoffload.tiers.disk_store",
+    "DiskStore": "kvoffload.tiers.disk_store",
     "JobNotDoneError": "kvoffload.tiers.background",
     "RemoteJob": "kvoffload.tiers.background",
     "RemoteTier": "kvoffload.tiers.background",
@@ -58,8 +72,9 @@ def __getattr__(name: str) -> Any:
     try:
         loaded = importlib.import_module(module)
     except ImportError as error:
+        extra = "disk" if module.startswith("kvoffload.tiers.disk") else "remote"
         raise ImportError(
-            f"kvoffload.tiers.{name} needs the remote tier's dependencies "
-            f"(pip install 'kvoffload[remote]'): {error}"
+            f"kvoffload.tiers.{name} needs the {extra} tier's dependencies "
+            f"(pip install 'kvoffload[{extra}]'): {error}"
         ) from error
     return getattr(loaded, name)

@@ -174,6 +174,7 @@ class DiskStore:
         self._fresh = 0  # slots from here on have never held a block
         self._pins: dict[int, int] = {}  # slot -> reads in flight
         self._writing: set[int] = set()
+        self._incoming: set[int] = set()  # digests of blocks being written to a new slot
         self._doomed: set[int] = set()  # pinned slots deleted or refused: freed at unpin
         self._rewriting = 0  # ready blocks being written again (in the index, not evictable)
         self._executor: ThreadPoolExecutor | None = None
@@ -542,6 +543,8 @@ class DiskStore:
                 self._rewriting += 1
                 self._writing.add(slot)
                 writes[slot] = (digest, position, False)
+            elif digest in self._incoming:
+                self._counts["busy"] += 1
             elif self._admission.offer(digest):
                 new.append((digest, position))
             else:
@@ -565,6 +568,7 @@ class DiskStore:
                 self._counts["no_room"] += 1
                 continue
             self._writing.add(slot)
+            self._incoming.add(digest)
             writes[slot] = (digest, position, True)
             placed.append(digest)
         self._policy.insert_each(placed)
@@ -671,6 +675,8 @@ class DiskStore:
         touched: list[int] = []
         for slot, (digest, position, fresh) in writes.items():
             self._writing.discard(slot)
+            if fresh:
+                self._incoming.discard(digest)
             length = payloads[position].nbytes
             if outcome.get(slot, False):
                 if length == self.geometry.block_bytes:
