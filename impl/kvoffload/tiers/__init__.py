@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 from kvoffload.tiers.store import RemoteStats, RemoteStore, StoreClosedError
 
 if TYPE_CHECKING:
-    from kvoffload.tiers.disk_layout import DiskInUseError as DiskInUseError
-    from kvoffload.tiers.disk_layout import DiskLayoutError as DiskLayoutError
-    from kvoffload.tiers.disk_store import DiskStats as DiskStats
-    from kvoffload.tiers.disk_store import DiskStore as DiskStore
     from kvoffload.tiers.background import JobNotDoneError as JobNotDoneError
     from kvoffload.tiers.background import RemoteJob as RemoteJob
     from kvoffload.tiers.background import RemoteTier as RemoteTier
     from kvoffload.tiers.background import RemoteTierStats as RemoteTierStats
+    from kvoffload.tiers.disk_layout import DiskInUseError as DiskInUseError
+    from kvoffload.tiers.disk_layout import DiskLayoutError as DiskLayoutError
+    from kvoffload.tiers.disk_store import DiskStats as DiskStats
+    from kvoffload.tiers.disk_store import DiskStore as DiskStore
     from kvoffload.tiers.valkey_store import ValkeyStore as ValkeyStore
     from kvoffload.tiers.values import Namespace as Namespace
     from kvoffload.tiers.values import Rejection as Rejection
