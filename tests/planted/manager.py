@@ -262,7 +262,7 @@ class OffloaderFreesAnAbandonedFetchAtOnce(Offloader):
 
     def abandon(self, plan: Plan) -> None:
         super().abandon(plan)
-        if isinstance(plan, StorePlan) and plan.plan_id in self._fetch_of:
+        if isinstance(plan, StorePlan) and self._is_fetch(plan.plan_id):
             self.manager.complete_store(plan, success=False)
             self.ended |= {plan.plan_id}
 
