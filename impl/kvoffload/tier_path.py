@@ -183,7 +183,12 @@ class TierPath:
     offloader calls it under its lock."""
 
     def __init__(
-        self, stores: Sequence[RemoteStore], pool: CpuBlockPool, *, mode: RemoteMode, max_pending: int
+        self,
+        stores: Sequence[RemoteStore],
+        pool: CpuBlockPool,
+        *,
+        mode: RemoteMode,
+        max_pending: int,
     ) -> None:
         from kvoffload.tiers.background import RemoteTier
 
