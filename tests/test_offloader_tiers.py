@@ -122,7 +122,7 @@ def test_bad_tiers_raise_before_any_pool(
         {"tiers": [store], "remote_mode": "write-around"},
     ):
         with pytest.raises(InvalidArgumentError):
-            Offloader([cache], num_cpu_blocks=1 << 40, **options)  # type: ignore[arg-type]
+            Offloader([cache], num_cpu_blocks=1 << 40, **options)
     empty = Offloader([cache], num_cpu_blocks=2, tiers=[])
     assert empty.remote_stats() is None and empty.tier_stats() == []
     empty.close()
