@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from kvoffload.checking.verify import VerifyReport
+    from kvoffload.replay.config import DiskTierConfig
     from kvoffload.replay.report import SimulationReport
     from kvoffload.replay.simulate import SimulationConfig
     from kvoffload.replay.sweep import SweepResult
@@ -178,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --remote: write each block the CPU pool evicts (write-back), or each "
         "block once stored (write-through) (default: %(default)s)",
     )
+    _add_disk_arguments(simulate)
     _add_json_argument(simulate)
     simulate.set_defaults(command=_run_simulate, command_name="simulate")
 
@@ -255,6 +257,46 @@ def _add_trace_argument(parser: argparse.ArgumentParser) -> None:
         help="JSON-lines trace with 'hash_ids' per request (.jsonl, or gzipped .jsonl.gz), "
         "or the name of a bundled trace (conversation, synthetic); default: the bundled "
         "conversation trace",
+    )
+
+
+def _add_disk_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--disk",
+        default=None,
+        metavar="PATH",
+        help="a disk tier behind every engine's CPU pool (and in front of --remote), in the "
+        "directory PATH (engine i of several: PATH/engine-i); made if new, reopened with "
+        "its blocks if it holds this trace's (default: none)",
+    )
+    parser.add_argument(
+        "--disk-bytes",
+        type=_byte_size,
+        default=None,
+        metavar="SIZE",
+        help="the disk tier's capacity per engine, e.g. 512MiB, 4GiB (default: 4GiB)",
+    )
+    parser.add_argument(
+        "--disk-admission",
+        choices=("second-offer", "every-offer"),
+        default=None,
+        help="write a block to the disk on its second offer (a cold scan cannot flush the "
+        "disk) or on every one (default: second-offer)",
+    )
+
+
+def _disk_tier(args: argparse.Namespace) -> DiskTierConfig | None:
+    """The ``DiskTierConfig`` the disk options ask for, or None."""
+    if args.disk is None:
+        if args.disk_bytes is not None or args.disk_admission is not None:
+            raise InvalidArgumentError("--disk-bytes and --disk-admission need --disk PATH")
+        return None
+    from kvoffload.replay.config import DiskTierConfig
+
+    return DiskTierConfig(
+        args.disk,
+        capacity_bytes=args.disk_bytes if args.disk_bytes is not None else 4 << 30,
+        admission=args.disk_admission or "second-offer",
     )
 
 
@@ -361,8 +403,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     )
     from kvoffload.policies.base import PolicyContractError
 
+    disk = _disk_tier(args)
     if args.remote is not None or args.instances > 1:
-        return _run_simulate_shared(args, trace, config)
+        return _run_simulate_shared(args, trace, config, disk)
     console = _console(stderr=True)
     try:
         with _progress(console, enabled=not args.json) as progress:
@@ -371,6 +414,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 trace,
                 config,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
+                disk=disk,
             )
     except PolicyContractError as error:  # a bug in the user's policy, said in one line
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
@@ -485,7 +529,9 @@ def _table(
     console.print(table)
 
 
-def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: SimulationConfig) -> int:
+def _run_simulate_shared(
+    args: argparse.Namespace, trace: Trace, config: SimulationConfig, disk: DiskTierConfig | None
+) -> int:
     from kvoffload.policies.base import PolicyContractError
     from kvoffload.replay.simulate import simulate_shared
 
@@ -500,6 +546,7 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
                 remote_url=args.remote,
                 remote_mode=args.remote_mode,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
+                disk=disk,
             )
     except PolicyContractError as error:
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
@@ -510,6 +557,7 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
     else:
         total = shared.total
         where = f", remote {args.remote}" if args.remote else ", no remote"
+        where += f", disk {args.disk}" if args.disk else ""
         _table(
             f"kvoffload simulate: {trace.name}, {total.requests:,} requests on "
             f"{args.instances} engines{where}",

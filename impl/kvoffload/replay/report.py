@@ -1,6 +1,6 @@
 """What a replay measured: :class:`SimulationReport` per engine, :class:`RemoteTally` for its
-remote tier, :class:`SharedSimulationReport` for engines sharing one, and their JSON and table
-rows."""
+remote tier, :class:`DiskTally` for its disk tier, :class:`SharedSimulationReport` for engines
+sharing one, and their JSON and table rows."""
 
 from __future__ import annotations
 
@@ -36,14 +36,21 @@ class SimulationReport:
     wall_seconds: float = 0.0
     latency: dict[str, Latency] = field(default_factory=dict)
     remote: RemoteTally | None = None  # with a remote tier only
+    disk: DiskTally | None = None  # with a disk tier only
 
     @property
     def remote_hits(self) -> int:
         return 0 if self.remote is None else self.remote.hits
 
     @property
+    def disk_hits(self) -> int:
+        return 0 if self.disk is None else self.disk.hits
+
+    @property
     def misses(self) -> int:
-        return self.block_refs - self.device_hits - self.cpu_hits - self.remote_hits
+        return (
+            self.block_refs - self.device_hits - self.cpu_hits - self.disk_hits - self.remote_hits
+        )
 
     def _ratio(self, count: int) -> float:
         return count / self.block_refs if self.block_refs else 0.0
@@ -113,7 +120,10 @@ class SimulationReport:
                 name: {"calls": t.calls, "p50": t.p50_us, "p99": t.p99_us, "max": t.max_us}
                 for name, t in self.latency.items()
             },
-        } | ({} if self.remote is None else {"remote": self.remote.to_json(self.block_refs)})
+        } | (
+            ({} if self.disk is None else {"disk": self.disk.to_json(self.block_refs)})
+            | ({} if self.remote is None else {"remote": self.remote.to_json(self.block_refs)})
+        )
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """The summary table, as (label, value) rows."""
@@ -132,6 +142,7 @@ class SimulationReport:
                 "CPU tier vs Belady",
                 f"{self.cpu_fraction_of_belady:.1%} of the optimum {self.belady_cpu_hit_ratio:.4f}",
             ),
+            *([] if self.disk is None else self.disk.summary_rows(self.block_refs)),
             *([] if self.remote is None else self.remote.summary_rows(self.block_refs)),
             ("miss ratio (recomputed)", f"{self.miss_ratio:.4f}"),
             (
@@ -222,6 +233,61 @@ class RemoteTally:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
+@dataclass
+class DiskTally(RemoteTally):
+    """What one engine did with its disk tier: a :class:`RemoteTally` (no sharing: a disk is
+    one engine's), and the disk's own time and choices."""
+
+    read_seconds: float = 0.0  # in the disk's reads (system calls and checks)
+    write_seconds: float = 0.0
+    not_admitted: int = 0  # first offers the admission rule kept out
+    rewrites_skipped: int = 0  # blocks written back that the disk held already, unchanged
+    evictions: int = 0
+    blocks_at_start: int = 0  # found on the disk when the engine started
+    blocks_at_end: int = 0
+    slots: int = 0  # blocks the disk's capacity holds
+
+    def to_json(self, block_refs: int) -> dict[str, object]:
+        found = super().to_json(block_refs)
+        for name in ("shared_hits", "shared_hit_ratio"):
+            del found[name]
+        return found | {
+            "read_seconds": self.read_seconds,
+            "write_seconds": self.write_seconds,
+            "not_admitted": self.not_admitted,
+            "rewrites_skipped": self.rewrites_skipped,
+            "evictions": self.evictions,
+            "blocks_at_start": self.blocks_at_start,
+            "blocks_at_end": self.blocks_at_end,
+            "slots": self.slots,
+        }
+
+    def summary_rows(self, block_refs: int) -> list[tuple[str, str]]:
+        return [
+            ("disk hit ratio", f"{share_of(self.hits, block_refs):.4f}"),
+            (
+                "disk traffic",
+                f"{self.blocks_written:,} blocks written ({format_size(self.bytes_written)}), "
+                f"{self.fetched_blocks:,} read ({format_size(self.bytes_fetched)})",
+            ),
+            (
+                "disk time",
+                f"{self.write_seconds:.2f} s writing, {self.read_seconds:.2f} s reading",
+            ),
+            (
+                "disk blocks",
+                f"{self.blocks_at_start:,} at start, {self.blocks_at_end:,} at end, of "
+                f"{self.slots:,}; {self.evictions:,} evicted, {self.rewrites_skipped:,} "
+                "written back unchanged (not rewritten)",
+            ),
+            (
+                "disk writes refused",
+                f"{self.not_written:,} ({self.not_admitted:,} not admitted), "
+                f"{self.failures:,} I/O errors, {self.fetch_misses:,} reads missed",
+            ),
+        ]
+
+
 def share_of(count: int, total: int) -> float:
     return count / total if total else 0.0
 
@@ -248,6 +314,7 @@ class SharedSimulationReport:
         first = self.engines[0]
         total = SimulationReport(first.trace, first.config, first.backend)
         total.remote = None if first.remote is None else RemoteTally()
+        total.disk = None if first.disk is None else DiskTally()
         for report in self.engines:
             for name in (
                 "requests", "block_refs", "device_hits", "cpu_hits", "belady_cpu_hits",
@@ -258,6 +325,8 @@ class SharedSimulationReport:
                 setattr(total, name, getattr(total, name) + getattr(report, name))
             if total.remote is not None and report.remote is not None:
                 total.remote.add(report.remote)
+            if total.disk is not None and report.disk is not None:
+                total.disk.add(report.disk)
         total.wall_seconds = self.wall_seconds
         return total
 

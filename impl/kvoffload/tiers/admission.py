@@ -1,12 +1,13 @@
-"""Which blocks a disk tier lets in: a block is written on its second offer, not its first.
+"""Which blocks a full disk tier lets in: a block displaces another on its second offer.
 
 A CPU pool evicts every block it ever held, the blocks of a one-off scan as much as those of
-a system prompt; written to a disk tier as they come, a scan of cold blocks would push the
-disk's whole warm set out (and wear the drive for blocks never read again). So a block is
-admitted only if it was offered once before, recently: the first offer is remembered, the
-second is written. (Dynamo's KVBM gates its disk writes by a frequency count; TinyLFU calls
-this filter a doorkeeper.) A block that comes back after its first eviction is, by then,
-known to be reused.
+a system prompt; written to a full disk tier as they come, a scan of cold blocks would push
+the disk's whole warm set out (and wear the drive for blocks never read again). So, once
+the disk is full, a block is admitted only if it was offered once before, recently: the
+first offer is remembered, the second is written. (Dynamo's KVBM gates its disk writes by a
+frequency count; TinyLFU calls this filter a doorkeeper.) A block that comes back after its
+first eviction is, by then, known to be reused. While the disk has free room, a first offer
+is written at once (the store decides that: it pushes nothing out).
 
 "Recently" is the last ``window`` offers: two Bloom filters, the current one and the one
 before it, each of ``8 * window`` bits with 3 probes (a false admission rate of about 3% at

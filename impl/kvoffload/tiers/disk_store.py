@@ -88,9 +88,9 @@ class DiskStore:
     directory (required for a new one). ``secret``: seal the values (the remote tier's
     ``KVO\\x02`` format: see docs/disk.md for what that protects, against whom).
     ``policy``: the eviction order (a built-in policy name or an ``EvictionPolicy`` class).
-    ``admission``: ``"second-offer"`` writes a block on its second offer within a window of
-    about ``capacity`` offers (a cold scan cannot flush the disk), ``"every-offer"`` on its
-    first. ``direct``: ``O_DIRECT`` for page-aligned buffers where the file system takes it
+    ``admission``: ``"second-offer"`` writes a block on its first offer only into free room,
+    and, once the disk is full, on its second offer within a window of about ``capacity``
+    offers (a cold scan cannot flush the disk); ``"every-offer"`` writes every offer. ``direct``: ``O_DIRECT`` for page-aligned buffers where the file system takes it
     (None), always (True: refused where it is not available), never (False).
     ``io_threads``: threads moving one call's bytes (the calling thread is one of them).
 
@@ -533,6 +533,9 @@ class DiskStore:
         fresh)``; victims evicted, slots marked as being written."""
         writes: dict[int, tuple[int, int, bool]] = {}
         new: list[tuple[int, int]] = []
+        # A first offer is written into free room (it pushes nothing out); once the disk is
+        # full, a block must come back to displace another (the admission rule).
+        room = len(self._free) + (self.slots - self._fresh)
         for digest, position in last.items():
             slot = self._index.get(digest)
             if slot >= 0:
@@ -545,11 +548,10 @@ class DiskStore:
                 writes[slot] = (digest, position, False)
             elif digest in self._incoming:
                 self._counts["busy"] += 1
-            elif self._admission.offer(digest):
+            elif self._admission.offer(digest) or len(new) < room:
                 new.append((digest, position))
             else:
                 self._counts["not_admitted"] += 1
-        room = len(self._free) + (self.slots - self._fresh)
         need = len(new) - room
         if need > 0:
             evictable = len(self._index) - (len(self._pins) - len(self._doomed)) - self._rewriting
