@@ -90,7 +90,8 @@ class DiskStore:
     ``policy``: the eviction order (a built-in policy name or an ``EvictionPolicy`` class).
     ``admission``: ``"second-offer"`` writes a block on its first offer only into free room,
     and, once the disk is full, on its second offer within a window of about ``capacity``
-    offers (a cold scan cannot flush the disk); ``"every-offer"`` writes every offer. ``direct``: ``O_DIRECT`` for page-aligned buffers where the file system takes it
+    offers (a cold scan cannot flush the disk); ``"every-offer"`` writes every offer.
+    ``direct``: ``O_DIRECT`` for page-aligned buffers where the file system takes it
     (None), always (True: refused where it is not available), never (False).
     ``io_threads``: threads moving one call's bytes (the calling thread is one of them).
 
