@@ -613,19 +613,21 @@ class DiskStore:
         results: dict[int, bool] = {}
         unchanged: set[int] = set()
         runs: list[list[tuple[int, int, bytes]]] = []  # adjacent slots: (slot, n, record)
+        with self._lock:  # this part's sequence numbers, in one go
+            first_seq, self._seq = self._seq, self._seq + len(part)
+        header, total_of, epoch = self._format.header, self._sum, self._epoch
         for n, slot in enumerate(part):
             digest, position, fresh = writes[slot]
             payload = payloads[position]
-            head = self._format.header(identities[position], payload)
-            total = self._sum(head, payload)
+            head = header(identities[position], payload)
+            total = total_of(head, payload)
             if not fresh and total == self._sums[slot] and payload.nbytes == self._length(slot):
                 results[slot] = True  # the same bytes are there: nothing to write
                 unchanged.add(slot)
                 continue
-            heads[n * layout.HEAD_BYTES : n * layout.HEAD_BYTES + len(head)] = head
-            with self._lock:
-                seq, self._seq = self._seq, self._seq + 1
-            record = layout.pack_record(digest, seq, total, payload.nbytes, slot, self._epoch)
+            at = n * layout.HEAD_BYTES
+            heads[at : at + len(head)] = head
+            record = layout.pack_record(digest, first_seq + n, total, payload.nbytes, slot, epoch)
             if runs and runs[-1][-1][0] == slot - 1:
                 runs[-1].append((slot, n, record))
             else:
