@@ -1,6 +1,6 @@
 """kvoffload's disk tier inside vLLM 0.33's own tiering manager, on CPU, on real files.
 
-The engines are tests/test_vllm_tier.py's (vLLM's config, factory, spec and tiering
+The engines are tests/vllm_tier_support.py's (vLLM's config, factory, spec and tiering
 manager, driven as its scheduler drives them); the tier is ``KvoffloadDiskTier`` on a
 directory of the test's own. An engine shut down and a new one on the same directory is an
 engine restarted.
@@ -8,6 +8,7 @@ engine restarted.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,22 @@ from kvoffload.integrations.vllm_disk_tier import KvoffloadDiskTier
 from kvoffload.tiers import DiskInUseError, DiskLayoutError
 from kvoffload.tiers import disk_layout as layout
 from kvoffload_spec.errors import InvalidArgumentError
-from tests.test_vllm_tier import Engine, chunk_values, engines, keys_for, vllm_config
-
-__all__ = ["engines", "vllm_config"]  # the fixtures, shared with the server tier's tests
+from tests.vllm_tier_support import Engine, chunk_values, keys_for, tiering_config
 
 TIER = {"type": "KvoffloadDiskTier", "module_path": "kvoffload.integrations.vllm_disk_tier"}
+
+
+@pytest.fixture(scope="module")
+def vllm_config() -> VllmConfig:
+    return tiering_config()
+
+
+@pytest.fixture
+def engines(vllm_config: VllmConfig) -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.close()
 
 
 def disk_tier(where: Path, **more: Any) -> dict[str, Any]:

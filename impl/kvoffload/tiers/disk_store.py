@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import xxhash
 
-from kvoffload.tiers import disk_layout as layout
+import kvoffload.tiers.disk_layout as layout
 from kvoffload.tiers.admission import AdmitAll, SecondOffer
 from kvoffload.tiers.disk_index import SlotIndex
 from kvoffload.tiers.disk_io import SlotFile, page_aligned
