@@ -280,6 +280,14 @@ def test_verify_passes_a_conforming_policy(policy: str, capsys: pytest.CaptureFi
     exploration, conformance = report["checks"]
     assert exploration["name"] == "exploration" and "every state within" in exploration["covered"]
     assert conformance["name"] == "conformance" and "random histories" in conformance["covered"]
+    explored = exploration["coverage"]
+    assert set(explored) == {"depth", "complete", "states", "transitions"}
+    assert explored["depth"] >= 1 and explored["transitions"] >= explored["states"] > 1
+    assert f"within {explored['depth']} calls" in exploration["covered"]
+    assert f"{explored['states']:,} states" in exploration["covered"]
+    histories = conformance["coverage"]["histories"]
+    assert histories >= 50 and f"{histories:,} random histories" in conformance["covered"]
+    assert conformance["coverage"]["max_steps"] == 30
 
 
 @pytest.mark.parametrize("budget", [0, -1.0, True, "60"])

@@ -118,3 +118,37 @@ def test_a_moved_module_keeps_its_old_name_with_a_warning(old_name: str) -> None
     same, messages = done.stdout.strip().split(" ", 1)
     assert same == "True"
     assert MOVED[old_name] in messages and old_name in messages
+
+
+def test_serving_needs_no_checker_and_verify_says_what_to_install() -> None:
+    """Hypothesis is the `verify` extra: without it the product imports and serves, and the
+    commands that need it say which extra to install instead of a traceback."""
+    probe = (
+        "import sys\n"
+        "sys.modules['hypothesis'] = None  # as if it were not installed\n"
+        "from kvoffload import OffloadManager\n"
+        "manager = OffloadManager(4)\n"
+        "assert manager.prepare_store([1]) is not None\n"
+        "try:\n"
+        "    from kvoffload import check_conformance\n"
+        "except ImportError as error:\n"
+        "    print('import:', error)\n"
+        "from kvoffload.cli import main\n"
+        "sys.exit(main(['verify', '--budget', '1']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1, done.stderr
+    assert "import: kvoffload.check_conformance" in done.stdout
+    assert "pip install 'kvoffload[verify]'" in done.stdout
+    assert "kvoffload verify: error:" in done.stderr and "kvoffload[verify]" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_version_is_one_number_everywhere() -> None:
+    import kvoffload
+
+    assert re.fullmatch(r"\d+\.\d+\.\d+", kvoffload.__version__)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvoffload", "--version"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.stdout.split() == ["kvoffload", kvoffload.__version__]

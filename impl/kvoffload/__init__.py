@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from kvoffload.transfer import TransferEngine as TransferEngine
     from kvoffload.transfer import TransferTimeoutError as TransferTimeoutError
 
+__version__ = "0.2.0"
+
 _install_moved_names()
 
 # public name -> module that defines it; imported on first attribute access
@@ -78,7 +80,16 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kvoffload' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as error:
+        if module.startswith("kvoffload.checking."):
+            raise ImportError(
+                f"kvoffload.{name} checks a manager with Hypothesis, which a serving install "
+                f"leaves out: pip install 'kvoffload[verify]' ({error})"
+            ) from error
+        raise
+    return getattr(loaded, name)
 
 
 def __dir__() -> list[str]:
@@ -87,6 +98,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "__version__",
     "BlockNotFoundError",
     "BlockNotReadyError",
     "BlockPendingError",

@@ -14,7 +14,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_spec.errors import InvalidArgumentError, OffloadError
@@ -305,12 +307,9 @@ def _add_json_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    import kvoffload
 
-    try:
-        return version("kvoffload")
-    except PackageNotFoundError:
-        return "(not installed)"
+    return kvoffload.__version__
 
 
 # -- argument types: argparse turns their ValueError into a usage error ---------------------
@@ -455,16 +454,26 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        return _fail(
+            args,
+            "kvoffload verify needs Hypothesis, which a serving install leaves out: "
+            "pip install 'kvoffload[verify]'",
+        )
     from kvoffload.checking.verify import verify
 
     console = _console(stderr=True)
-    with _progress(console, enabled=not args.json) as progress:
-        task = progress.add_task(f"verifying {args.policy}", total=None)
-        report = verify(
-            args.policy,
-            budget_s=args.budget,
-            on_stage=lambda stage: progress.update(task, description=stage),
-        )
+    with _progress(console, enabled=not args.json, unit="s") as progress:
+        # the checks share the time budget: the bar is the budget spent
+        task = progress.add_task(f"verifying {args.policy}", total=args.budget)
+        with _ticking(lambda spent: progress.update(task, completed=min(spent, args.budget))):
+            report = verify(
+                args.policy,
+                budget_s=args.budget,
+                on_stage=lambda stage: progress.update(task, description=stage),
+            )
     if args.json:
         _print_json(report.to_json())
     else:
@@ -492,19 +501,49 @@ def _console(stderr: bool = False) -> Console:
     return PipeAwareConsole(stderr=stderr)
 
 
-def _progress(console: Console, enabled: bool) -> Any:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+def _progress(console: Console, enabled: bool, unit: str = "") -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
-        MofNCompleteColumn(),
+        MofNCompleteColumn(separator="/" if not unit else f" {unit} / "),
         TimeElapsedColumn(),
+        "eta",
+        TimeRemainingColumn(),
         console=console,
         transient=True,
         # a bar is for a person watching: not in a pipe, a log or with --json
         disable=not (enabled and console.is_terminal),
     )
+
+
+@contextmanager
+def _ticking(tick: Callable[[float], None], every_s: float = 0.5) -> Iterator[None]:
+    """Call ``tick(seconds since start)`` every ``every_s`` on a daemon thread while the
+    block runs (for work that reports no progress of its own)."""
+    import threading
+
+    started = time.monotonic()
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(every_s):
+            tick(time.monotonic() - started)
+
+    thread = threading.Thread(target=loop, name="kvoffload-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _table(

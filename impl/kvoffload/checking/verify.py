@@ -51,6 +51,9 @@ class CheckResult:
     covered: str
     seconds: float
     passed: bool
+    # what was covered, as numbers: exploration {depth, complete, states, transitions},
+    # conformance {histories, max_steps}
+    coverage: dict[str, int | bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class VerifyReport:
                     "covered": c.covered,
                     "seconds": round(c.seconds, 3),
                     "passed": c.passed,
+                    "coverage": c.coverage,
                 }
                 for c in self.checks
             ],
@@ -149,6 +153,7 @@ def _exploration(
             f"a violation after {explored.states:,} states",
             explored.seconds,
             False,
+            _explored(explored.depth, explored.complete, explored.states, explored.transitions),
         )
     reach = (
         f"every state within {explored.depth} calls"
@@ -160,7 +165,12 @@ def _exploration(
         f"{reach} on {pool}: {explored.states:,} states, {explored.transitions:,} checked calls",
         explored.seconds,
         True,
+        _explored(explored.depth, explored.complete, explored.states, explored.transitions),
     )
+
+
+def _explored(depth: int, complete: bool, states: int, transitions: int) -> dict[str, int | bool]:
+    return {"depth": depth, "complete": complete, "states": states, "transitions": transitions}
 
 
 def _conformance(
@@ -207,6 +217,7 @@ def _conformance(
                     f"a counterexample within {(rounds + 1) * CONFORMANCE_ROUND} histories",
                     time.monotonic() - started,
                     False,
+                    {"histories": (rounds + 1) * CONFORMANCE_ROUND, "max_steps": CONFORMANCE_STEPS},
                 )
             rounds += 1
     victims = "the spec's victims" if exact else "legal victims"
@@ -216,6 +227,7 @@ def _conformance(
         f"({victims}, every result, counter and event compared)",
         time.monotonic() - started,
         True,
+        {"histories": rounds * CONFORMANCE_ROUND, "max_steps": CONFORMANCE_STEPS},
     )
 
 
