@@ -15,6 +15,14 @@ from tests.planted import DISK, Planted, share
 from tests.planted.disk import AcceptsATornWrite, KeepsBlocksAcrossANamespaceChange
 
 
+def test_the_disk_rules_are_named_in_kvoffload_spec_tiers_too() -> None:
+    import kvoffload_spec.tiers as tiers
+
+    assert tiers.DiskRules is DiskRules and tiers.explore_disk is explore_disk
+    with pytest.raises(AttributeError):
+        _ = tiers.NoSuchRule
+
+
 def test_a_small_world_keeps_the_guarantees_in_a_second() -> None:
     report = explore_disk(blocks=1, keys=("a", "b"), capacity=1, depth=8)
     assert report.ok and report.complete, report.summary()
