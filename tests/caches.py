@@ -3,6 +3,8 @@ tests (layout, transfer, offloader, faults) build their caches from."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -14,7 +16,10 @@ DEVICES = [
     ),
 ]
 DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64]
-KINDS = ["per_layer", "kv_split", "kv_interleaved", "cross_layer", "layer_views"]
+KINDS = ["per_layer", "kv_split", "kv_interleaved", "cross_layer", "layer_views", "mixed"]
+# The row styles of a "mixed" cache, layer by layer: a block's bytes packed (stride == bytes),
+# followed by a gap of padding, or by the next block's bytes of another view (every other).
+MIXED_STYLES = ("packed", "padded", "every_other")
 
 
 def make_cache(
@@ -31,7 +36,9 @@ def make_cache(
     per_layer: ``[N, 2, 3, 4]`` per layer (K and V inside the block); kv_split:
     ``[2, N, 3, 4]`` per layer; kv_interleaved: the same shape as a non-contiguous view
     of ``[N, 2, 3, 4]``; cross_layer: one ``[N, layers, 2, 3, 4]`` tensor; layer_views:
-    its per-layer views ``[N, 2, 3, 4]`` (the segments of a block are adjacent in memory).
+    its per-layer views ``[N, 2, 3, 4]`` (the segments of a block are adjacent in memory);
+    mixed: per-layer ``[N, 2, 3, 4]`` tensors whose rows are packed and strided in turn
+    (``MIXED_STYLES``: a padded row, a view of every other block of a larger tensor).
     """
     shapes: list[tuple[int, ...]]
     if kind == "layer_views":
@@ -44,6 +51,9 @@ def make_cache(
             seed=seed,
         )
         return list(whole[0].unbind(1)), 0
+    if kind == "mixed":
+        styles = [MIXED_STYLES[layer % len(MIXED_STYLES)] for layer in range(layers)]
+        return styled_cache(styles, num_blocks=num_blocks, dtype=dtype, device=device, seed=seed), 0
     if kind == "cross_layer":
         shapes, block_dim = [(num_blocks, layers, 2, 3, 4)], 0
     elif kind == "per_layer":
@@ -59,6 +69,34 @@ def make_cache(
         else:
             tensors.append(random_tensor(shape, dtype, generator).to(device))
     return tensors, block_dim
+
+
+def styled_cache(
+    styles: list[str],
+    *,
+    num_blocks: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    seed: int = 0,
+    block_shape: tuple[int, ...] = (2, 3, 4),
+) -> list[torch.Tensor]:
+    """Per-layer ``[num_blocks, *block_shape]`` tensors of random bytes, each row in its
+    style (``MIXED_STYLES``): its blocks back to back, each followed by as many bytes of
+    padding, or every other block of a tensor twice as long (the gap holds other blocks)."""
+    generator = torch.Generator().manual_seed(seed)
+    width = math.prod(block_shape)
+    tensors = []
+    for style in styles:  # the strided views are taken on the device (a copy would pack them)
+        if style == "packed":
+            tensor = random_tensor((num_blocks, *block_shape), dtype, generator).to(device)
+        elif style == "padded":
+            wide = random_tensor((num_blocks, 2 * width), dtype, generator).to(device)
+            tensor = wide[:, :width].view(num_blocks, *block_shape)
+        else:
+            tensor = random_tensor((2 * num_blocks, *block_shape), dtype, generator).to(device)
+            tensor = tensor[::2]
+        tensors.append(tensor)
+    return tensors
 
 
 def random_tensor(

@@ -17,7 +17,7 @@ from kvoffload.checking.conformance import (
     check_directed_histories,
 )
 from kvoffload_spec.explore import explore
-from kvoffload_spec.tiers import TierRules, explore_tiers
+from kvoffload_spec.tiers import explore_tiers
 from tests.planted import (
     CATALOGUE,
     CHECKERS,
@@ -30,6 +30,7 @@ from tests.planted import (
     share,
 )
 from tests.planted.spec import Variant
+from tests.planted.tiers import TierBug
 
 SHORT = 6  # calls: every planted spec bug shows within this many
 # Stop at the first failure (shrinking it would only cost time here). The budget is a cap:
@@ -91,11 +92,19 @@ def test_the_directed_histories_find_their_share(bug: Planted) -> None:
 
 @pytest.mark.parametrize("bug", cases(TIERS, slow=True))
 def test_the_tier_explorer_finds_its_share(bug: Planted) -> None:
-    """Each bug shows within 7 steps, on a pool of one block or else on one of two."""
-    assert isinstance(bug.subject, TierRules)
+    """Each bug shows within 7 steps, on a pool of one block or else on one of two, in the
+    world it is planted in (accidents only, or tenants and the adversary)."""
+    planted = bug.subject
+    assert isinstance(planted, TierBug)
     # Lazily: the pool of two blocks is explored only where one block did not show the bug.
     found = (
-        explore_tiers(blocks=blocks, keys=("a", "b"), depth=7, rules=bug.subject)
+        explore_tiers(
+            blocks=blocks,
+            keys=("a", "b"),
+            depth=7,
+            rules=planted.rules,
+            tenancy=planted.tenancy,
+        )
         for blocks in (1, 2)
     )
     assert any(report.violation is not None for report in found), f"{bug.bug}: not found"

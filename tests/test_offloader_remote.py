@@ -14,7 +14,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,16 +22,19 @@ import pytest
 import torch
 
 from kvoffload import Offloader
+from kvoffload.manager import OffloadManager
 from kvoffload.offloader import NoRemoteTierError
 from kvoffload_spec.errors import InvalidArgumentError
 from kvoffload_spec.surface import Key, Lookup, StorePlan
 from tests.remote_support import (
     BLOCK_BYTES,
+    POISON,
     Engine,
     assert_accounted,
     content,
     make_store,
 )
+from tests.test_block_ids import Misplanning
 from tests.valkey_server import ValkeyServer, free_port
 
 if TYPE_CHECKING:
@@ -132,6 +135,27 @@ def test_fetch_skips_resident_keys_and_bad_arguments_change_nothing(
         Engine(None).offloader.fetch([1])
 
 
+def test_a_key_pending_here_is_skipped_and_another_offloaders_plan_refused(
+    valkey_server: ValkeyServer, engines: list[Engine]
+) -> None:
+    """A key pending here (its fetch not reported yet) is skipped like a resident one; a
+    plan of another offloader, even one of the same plan id, is refused by ``wait`` and
+    ``abandon`` with a typed error, not taken for this one's."""
+    ours, theirs = Engine(make_store(valkey_server.url)), Engine(make_store(valkey_server.url))
+    engines += [ours, theirs]
+    (plan,) = ours.offloader.fetch([7])
+    assert ours.offloader.fetch([7]) == [] and ours.stats().fetch_skipped == 1
+    (foreign,) = theirs.offloader.fetch([8])
+    assert foreign.plan_id == plan.plan_id and foreign != plan
+    with pytest.raises(InvalidArgumentError):
+        ours.offloader.wait([foreign], timeout=1)
+    with pytest.raises(InvalidArgumentError):
+        ours.offloader.abandon(foreign)
+    for engine in (ours, theirs):
+        engine.settle()
+        assert engine.offloader.num_in_flight == 0
+
+
 @pytest.mark.parametrize(
     "options",
     [{"remote": "redis://x"}, {"remote_mode": "write-around"}, {"remote_max_pending": 0}],
@@ -164,6 +188,32 @@ def test_without_remote_nothing_changes() -> None:
     assert engine.offloader.remote_stats() is None
     assert engine.check_ready_bytes(range(4)) == [2, 3]
     engine.close()
+
+
+def test_a_fetch_of_a_value_of_another_size_misses_and_leaves_the_block_untouched(
+    valkey_server: ValkeyServer, engines: list[Engine]
+) -> None:
+    """Valid values one byte shorter or longer than a CPU block, empty, or twice its size
+    (another layout's, under this namespace), fetched in one job with a value of the right
+    size: that one hits, each other misses, and its CPU block keeps the poison it held."""
+    engine = Engine(make_store(valkey_server.url), cpu_blocks=5)
+    engines.append(engine)
+    sizes = {1: BLOCK_BYTES - 1, 2: BLOCK_BYTES + 1, 3: 0, 4: 2 * BLOCK_BYTES, 5: BLOCK_BYTES}
+    values = [random.Random(key).randbytes(size) for key, size in sizes.items()]
+    assert make_store(valkey_server.url).put(list(sizes), values) == [True] * len(sizes)
+    plans = engine.offloader.fetch(list(sizes))
+    engine.settle()
+    fetched = {f.plan.keys[0]: f.ok for f in engine.reported if f.fetched}
+    assert fetched == {1: False, 2: False, 3: False, 4: False, 5: True}
+    pool = engine.offloader.engine.pool.tensor
+    for plan in plans:
+        if plan.keys[0] != 5:
+            assert bool((pool[plan.block_ids[0]] == POISON).all()), plan
+    assert engine.check_ready_bytes(list(sizes)) == [5]
+    stats = engine.stats()
+    assert stats.fetch_misses == 4 and stats.store is not None
+    assert stats.store.rejected_length == 4
+    assert_accounted(stats.store)
 
 
 # -- faults ------------------------------------------------------------------------------
@@ -436,3 +486,66 @@ def test_random_faults_never_load_a_wrong_byte(
         assert_accounted(stats.store)
         assert stats.fetch_hits + stats.fetch_misses == stats.fetch_keys
         assert stats.written + stats.not_written == stats.write_keys
+
+
+class MisplansTheSecondFetch(Misplanning):
+    """A manager of the caller's own that, once ``armed``, gives every store plan after the
+    first the block ids ``doctor`` makes of the first one's: outside the pool, none, two, or
+    the first one's again (one job would then write two keys' values into one block)."""
+
+    def __init__(self, inner: OffloadManager, doctor: Callable[[list[int]], list[int]]) -> None:
+        super().__init__(inner)
+        self.doctor = doctor
+        self.armed = False
+        self.first: list[int] | None = None
+
+    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
+        if self.armed and self.first is not None:
+            self.block_ids = self.doctor(self.first)
+        try:
+            plan = super().prepare_store(keys)
+        finally:
+            self.block_ids = None
+        if self.armed and plan is not None and self.first is None:
+            self.first = list(plan.block_ids)
+        return plan
+
+
+MISPLANS: dict[str, Callable[[list[int]], list[int]]] = {
+    "one past the pool": lambda first: [4],
+    "-1": lambda first: [-1],
+    "no block id": lambda first: [],
+    "two block ids": lambda first: [2, 3],
+    "the first plan's block id": lambda first: first,
+}
+
+
+@pytest.mark.parametrize("misplan", MISPLANS, ids=list(MISPLANS))
+def test_a_fetch_planned_a_bad_block_id_sends_nothing_and_ends_every_plan(
+    valkey_server: ValkeyServer, engines: list[Engine], misplan: str
+) -> None:
+    """One fetch job carries a plan per key, checked as one: a bad block id in any plan
+    (or one block id in two plans) is refused with a typed error before anything is sent,
+    every plan made so far ends (no key left pending for ever), the victims are written
+    back, and the same fetch with good plans then loads each key's own bytes."""
+    keys = [1, 2, 3]
+    assert make_store(valkey_server.url).put(keys, [content(key) for key in keys]) == [True] * 3
+    inner = OffloadManager(4)
+    manager = MisplansTheSecondFetch(inner, MISPLANS[misplan])
+    engine = Engine(make_store(valkey_server.url), cpu_blocks=4, manager=manager)
+    engines.append(engine)
+    for key in (10, 11, 12, 13):  # a full pool: the fetch evicts
+        engine.store(key)
+    manager.armed = True
+    with pytest.raises(InvalidArgumentError, match=r"cpu_block_ids|block ids"):
+        engine.offloader.fetch(keys)
+    manager.armed = False
+    assert [inner.lookup(key) for key in keys] == [Lookup.MISS] * 3
+    assert not inner.abstract_state().open_plans and engine.offloader.num_in_flight == 0
+    assert engine.stats().fetch_keys == 0
+    assert engine.fetch(keys) == {key: True for key in keys}
+    assert engine.check_ready_bytes(keys) == keys
+    evicted = [key for key in (10, 11, 12, 13) if inner.lookup(key) is Lookup.MISS]
+    assert engine.fetch(evicted[:1]) == {evicted[0]: True}  # written back, then evicted
+    assert engine.check_ready_bytes(evicted[:1]) == evicted[:1]
+    inner.check_invariants()

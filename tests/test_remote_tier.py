@@ -176,3 +176,38 @@ def test_close_cancels_what_is_queued_and_every_job_finishes_once(
     stats = tier.stats()
     assert stats.ran + stats.cancelled == stats.submitted == 150
     assert store.stats().keys_stored == stats.ran
+
+
+def test_each_job_says_where_it_stands_and_the_tier_counts_every_one(
+    valkey_server: ValkeyServer,
+) -> None:
+    """A job held by a paused server and one queued behind it are pending, a wait with a
+    timeout gives up, the queue's one place is counted; every drop and every cancel is
+    counted, not just the first."""
+    with pytest.raises(InvalidArgumentError):
+        RemoteTier(ValkeyStore(valkey_server.url, namespace=LAYOUT), max_pending=True)
+    store = ValkeyStore(valkey_server.url, namespace=LAYOUT, timeout_s=10)
+    tier = RemoteTier(store, max_pending=1)  # the least queue there is
+    valkey_server.pause()
+    try:
+        first = tier.submit_put([0], [b"a"])
+        deadline = time.monotonic() + 10
+        while not tier.stats().running:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert not first.wait(0.01) and first.outcome == "pending" and first.error is None
+        queued = tier.submit_get([0], [bytearray(1)])
+        assert queued.kind == "get" and queued.outcome == "pending" and not queued.done
+        assert tier.stats().queued == 1
+        dropped = [tier.submit_put([1], [b"b"]), tier.submit_get([2], [bytearray(1)])]
+        assert [job.outcome for job in dropped] == ["dropped", "dropped"]
+        assert tier.cancel(queued)
+        again = tier.submit_put([3], [b"c"])
+        assert tier.stats().queued == 1 and tier.cancel(again)
+        assert tier.stats() == RemoteTierStats(submitted=5, dropped=2, cancelled=2, running=True)
+    finally:
+        valkey_server.resume()
+    assert first.wait(30) and first.result == [True] and first.error is None
+    finished(tier, [first, queued, again, *dropped])
+    assert tier.stats() == RemoteTierStats(submitted=5, ran=1, dropped=2, cancelled=2)
+    assert tier.close()

@@ -166,3 +166,37 @@ def test_a_secret_is_checked_and_never_shown() -> None:
     text = SECRET.decode()
     assert value_format(NAMESPACE, text + "\n").server_key(b"k") == SEALED.server_key(b"k")
     assert SECRET.decode() not in repr(SEALED) and "secret" not in repr(SEALED)
+
+
+def test_every_sealed_value_is_tagged_under_a_mac_key_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Poly1305 is a one-time MAC: two messages tagged under one key give that key away, and
+    forgeries with it. Each value's key comes from its own random nonce, so 64 seals of the
+    same bytes under the same block key use 64 keys, and a read checks each value under
+    the key it was sealed with."""
+    sealed = value_format(NAMESPACE, SECRET)
+    real = sealed._poly1305  # type: ignore[attr-defined]
+    used: list[bytes] = []
+
+    def recording(key: bytes) -> object:
+        used.append(bytes(key))
+        return real(key)
+
+    monkeypatch.setattr(sealed, "_poly1305", recording)
+    encoded = encode_key(b"one block")
+    values = [sealed.frame(encoded, memoryview(b"the same bytes")) for _ in range(64)]
+    sealing = list(used)
+    assert len(set(sealing)) == 64
+    used.clear()
+    assert all(isinstance(sealed.payload_of(encoded, value), memoryview) for value in values)
+    assert used == sealing
+
+
+def test_a_key_may_nest_tuples_eight_deep_and_no_deeper() -> None:
+    key: Hashable = 1
+    for _ in range(8):
+        key = (key,)
+    assert encode_key(key)
+    with pytest.raises(InvalidArgumentError, match="more than 8 deep"):
+        encode_key((key,))

@@ -3,10 +3,16 @@ planner paths."""
 
 from __future__ import annotations
 
+import inspect
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kvoffload.transfer import (
@@ -14,12 +20,15 @@ from kvoffload.transfer import (
     KVLayout,
 )
 from kvoffload.transfer import copiers as copiers_module
+from kvoffload.transfer import runs as runs_module
 from kvoffload.transfer.copiers import (
     MemmoveCopier,
 )
 from kvoffload.transfer.engine import CopierName
 from kvoffload.transfer.runs import BlockMapping, CopyRuns, IdArray, RunPairs
-from tests.caches import KINDS, make_cache
+from tests.caches import KINDS, MIXED_STYLES, make_cache, styled_cache
+from tests.planted import PLANNER, Planted, share
+from tests.planted.planner import PlannerBug
 from tests.transfer_support import (
     CPU_PATHS,
     FailAt,
@@ -295,3 +304,225 @@ def test_an_empty_job_has_no_runs() -> None:
     mapping = mapping_for("per_layer", factor=2)
     runs = mapping.runs(ids(), ids(), to_cpu=False)
     assert len(runs) == 0 and runs.total_bytes == 0
+
+
+# -- layouts mixing packed and strided rows, against a plain reference -----------------------
+
+
+def reference_bytes(layout: KVLayout, factor: int, device: IdArray, cpu: IdArray) -> np.ndarray:
+    """Every byte a job copies, as (storage address, device byte, pool byte) rows sorted,
+    made segment by segment and pair by pair with no merging at all: device block
+    ``device[j]``'s bytes of segment ``s`` go to sub-block ``j % factor`` of CPU block
+    ``cpu[j // factor]``, in segment ``s``'s part of it."""
+    storage = [layout.storages[s.tensor_index].data_ptr() for s in layout.segments]
+    cpu_block_bytes = factor * layout.bytes_per_block
+    rows = []
+    part = 0  # where segment s's sub-blocks start inside a CPU block
+    for s, segment in enumerate(layout.segments):
+        size = np.arange(segment.nbytes, dtype=np.int64)
+        for j, block in enumerate(device.tolist()):
+            sub = int(cpu[j // factor]) * factor + j % factor
+            at = sub // factor * cpu_block_bytes + part + sub % factor * segment.nbytes
+            device_at = segment.base + block * segment.stride
+            rows.append(np.stack([np.full_like(size, storage[s]), device_at + size, at + size], 1))
+        part += factor * segment.nbytes
+    return sort_rows(np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.int64))
+
+
+def planned_bytes(layout: KVLayout, runs: CopyRuns) -> np.ndarray:
+    """The same rows for what a planner's runs copy."""
+    storage = [layout.storages[s.tensor_index].data_ptr() for s in layout.segments]
+    rows = [
+        np.stack([np.full(size, storage[s]), np.arange(d, d + size), np.arange(c, c + size)], 1)
+        for s, d, c, size in zip(
+            runs.segment.tolist(),
+            runs.device_offset.tolist(),
+            runs.cpu_offset.tolist(),
+            runs.nbytes.tolist(),
+            strict=True,
+        )
+    ]
+    return sort_rows(np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.int64))
+
+
+def sort_rows(rows: np.ndarray) -> np.ndarray:
+    return rows[np.lexsort(rows.T[::-1])].astype(np.int64)
+
+
+SMALL_JOB: int = inspect.signature(BlockMapping).parameters["small_job"].default
+
+
+@dataclass(frozen=True)
+class MixedJob:
+    """A job over per-layer tensors whose rows are packed or strided (``styles``)."""
+
+    styles: tuple[str, ...]
+    dtype: torch.dtype
+    factor: int
+    cpu_blocks: int
+    cpu_ids: list[int]
+    device_ids: list[int]
+    to_cpu: bool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.factor * self.cpu_blocks + 3
+
+
+@st.composite
+def mixed_jobs(draw: st.DrawFn) -> MixedJob:
+    """Layouts of 1-4 rows in any mix of styles, factors 1-4, jobs from one pair to a few
+    hundred (segment, block) pairs (both planner paths), ids consecutive on both sides
+    (runs merge), in consecutive stretches, or anywhere."""
+    styles = tuple(draw(st.lists(st.sampled_from(MIXED_STYLES), min_size=1, max_size=4)))
+    factor = draw(st.integers(1, 4))
+    if draw(st.booleans()):  # a small job: any size
+        cpu_blocks = draw(st.integers(1, 12))
+        batch = draw(st.integers(1, cpu_blocks))
+    else:  # a large one: more pairs than the plain planner takes
+        least = SMALL_JOB // (factor * len(styles)) + 1
+        cpu_blocks = draw(st.integers(least, least + 8))
+        batch = draw(st.integers(least, cpu_blocks))
+    order = draw(st.sampled_from(("consecutive", "stretches", "anywhere")))
+    if order == "consecutive":
+        first = draw(st.integers(0, cpu_blocks - batch))
+        cpu_ids = list(range(first, first + batch))
+    else:
+        cpu_ids = draw(st.permutations(range(cpu_blocks)))[:batch]
+        if order == "stretches":  # sorted within stretches of a few: runs of some length
+            stretch = draw(st.integers(2, 6))
+            cpu_ids.sort(key=lambda c: (c // stretch, c))
+    shift = draw(st.integers(0, 3))
+    subs = [c * factor + j for c in cpu_ids for j in range(factor)]
+    if draw(st.booleans()):  # device ids follow the pool's: consecutive where the pool's are
+        device_ids = [sub + shift for sub in subs]
+    else:
+        device_ids = draw(st.permutations(range(factor * cpu_blocks + 3)))[: len(subs)]
+    return MixedJob(
+        styles=styles,
+        dtype=draw(st.sampled_from((torch.uint8, torch.bfloat16))),
+        factor=factor,
+        cpu_blocks=cpu_blocks,
+        cpu_ids=cpu_ids,
+        device_ids=device_ids,
+        to_cpu=draw(st.booleans()),
+    )
+
+
+PLANNERS = {"plain Python": 10**9, "numpy": 0, "as the engine picks": None}
+
+
+def planner_problems(job: MixedJob, mapping_class: type[BlockMapping] = BlockMapping) -> list[str]:
+    """Where each planner's runs copy other bytes than the reference, or address bytes
+    outside a segment's storage or the pool."""
+    tensors = styled_cache(list(job.styles), num_blocks=job.num_blocks, dtype=job.dtype)
+    layout = KVLayout(tensors, 0)
+    device, cpu = ids(*job.device_ids), ids(*job.cpu_ids)
+    expected = reference_bytes(layout, job.factor, device, cpu)
+    pool_bytes = job.cpu_blocks * job.factor * layout.bytes_per_block
+    problems = []
+    for name, small_job in PLANNERS.items():
+        options = {} if small_job is None else {"small_job": small_job}
+        runs = mapping_class(layout, job.factor, **options).runs(device, cpu, to_cpu=job.to_cpu)
+        sizes = [layout.storages[layout.segments[s].tensor_index].numel() for s in runs.segment]
+        if any(
+            d < 0 or d + n > size or c < 0 or c + n > pool_bytes
+            for d, c, n, size in zip(
+                runs.device_offset.tolist(),
+                runs.cpu_offset.tolist(),
+                runs.nbytes.tolist(),
+                sizes,
+                strict=True,
+            )
+        ):
+            problems.append(f"{name}: a run outside its buffer")
+        if not np.array_equal(planned_bytes(layout, runs), expected):
+            problems.append(f"{name}: copies other bytes than the reference")
+    return problems
+
+
+MIXED_JOBS = settings(max_examples=200, deadline=None)
+"""How many jobs the mixed-layout property draws (the catalogue's test skips shrinking)."""
+
+
+def check_mixed_layouts(mapping_class: type[BlockMapping] = BlockMapping) -> None:
+    @MIXED_JOBS
+    @given(job=mixed_jobs())
+    def every_planner_matches_the_reference(job: MixedJob) -> None:
+        assert planner_problems(job, mapping_class) == [], job
+
+    every_planner_matches_the_reference()
+
+
+def test_every_planner_copies_the_reference_bytes_on_mixed_layouts() -> None:
+    check_mixed_layouts()
+
+
+def test_the_mixed_jobs_reach_both_planner_paths_and_merge_runs() -> None:
+    """The property's ground: a mixed layout with a factor > 1 and a large consecutive
+    job takes the numpy path and merges the packed rows' runs, not the strided ones'."""
+    tensors = styled_cache(["packed", "padded", "every_other"], num_blocks=2 * 20 + 3)
+    layout = KVLayout(tensors, 0)
+    mapping = BlockMapping(layout, 2)
+    device, cpu = np.arange(2 * 20, dtype=np.int64), np.arange(20, dtype=np.int64)
+    assert len(device) * len(mapping.rows) > mapping.small_job  # the numpy path
+    runs = mapping.runs(device, cpu, to_cpu=True)
+    assert runs.pairs is None
+    per_row = {row: int((runs.segment == row).sum()) for row in range(3)}
+    assert per_row == {0: 20, 1: 40, 2: 40}  # packed: one run per CPU block; strided: per pair
+    assert np.array_equal(planned_bytes(layout, runs), reference_bytes(layout, 2, device, cpu))
+
+
+def mixed_round_trip(factor: int, batch: int) -> RoundTrip:
+    """Consecutive ids stored, loaded back in reversed stretches of three."""
+    cpu_blocks = batch + 2
+    cpu_ids = list(range(1, 1 + batch))
+    loaded = [c for start in range(0, batch, 3) for c in cpu_ids[start : start + 3]][::-1]
+    num_blocks = factor * cpu_blocks + 2
+    return RoundTrip(
+        kind="mixed",
+        dtype=torch.bfloat16,
+        factor=factor,
+        num_blocks=num_blocks,
+        cpu_blocks=cpu_blocks,
+        cpu_ids=cpu_ids,
+        sources=list(range(1, 1 + factor * batch)),
+        loaded=loaded,
+        targets=list(range(num_blocks - factor * batch, num_blocks)),
+    )
+
+
+@pytest.mark.parametrize("batch", [2, 20])  # pairs below and above the small-job planner's
+@pytest.mark.parametrize("factor", [1, 2, 3])
+@pytest.mark.parametrize(("copier", "threaded"), CPU_PATHS)
+def test_mixed_layouts_round_trip_byte_exact_on_both_planner_paths(
+    copier: CopierName | None, threaded: bool, factor: int, batch: int
+) -> None:
+    check_round_trip(mixed_round_trip(factor, batch), "cpu", copier, threaded)
+
+
+RUNS_SOURCE = Path(runs_module.__file__).read_text()
+
+
+def broken_mapping(bug: PlannerBug) -> type[BlockMapping]:
+    """``BlockMapping`` of a copy of runs.py with ``bug``'s edit (which must match once)."""
+    old, new = bug.edit
+    assert RUNS_SOURCE.count(old) == 1, f"{bug.name}: {old!r} no longer in runs.py"
+    module = types.ModuleType("kvoffload_runs_planted")
+    sys.modules[module.__name__] = module  # dataclasses and NamedTuple look their module up
+    exec(compile(RUNS_SOURCE.replace(old, new), "<planted runs>", "exec"), module.__dict__)
+    mapping: type[BlockMapping] = module.BlockMapping
+    return mapping
+
+
+@pytest.mark.parametrize("entry", share(PLANNER), ids=lambda bug: bug.name)
+def test_the_planner_checks_find_their_share_of_the_catalogue(
+    entry: Planted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bug = entry.subject
+    assert isinstance(bug, PlannerBug)
+    # Stop at the first failing job: shrinking it would only cost time here.
+    found_only = settings(MIXED_JOBS, phases=(Phase.generate,), database=None)
+    monkeypatch.setitem(globals(), "MIXED_JOBS", found_only)
+    with pytest.raises(AssertionError, match="copies other bytes than the reference"):
+        check_mixed_layouts(broken_mapping(bug))

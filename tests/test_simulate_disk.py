@@ -55,8 +55,25 @@ def test_the_table_has_the_disk_rows(tmp_path: Path, capsys: pytest.CaptureFixtu
     argv = [a for a in SMALL if a != "--json"] + ["--disk", str(tmp_path / "disk")]
     code, out, err = run(argv, capsys)
     assert code == 0, err
-    for row in ("disk hit ratio", "disk traffic", "disk time", "disk blocks"):
-        assert row in out
+    rows = [line.split("│")[1].strip() for line in out.splitlines() if line.count("│") > 2]
+    tiers = ["device cache hits", "CPU tier hits", "disk tier hits", "recomputed", "served"]
+    assert [row for row in rows if row in tiers] == tiers  # the disk in the tiers' order
+    for row in ("disk traffic", "disk time", "disk evictions", "disk failures"):
+        assert row in rows
+
+
+def test_engines_with_a_disk_each_have_a_disk_hits_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [a for a in SMALL if a != "--json"] + ["--instances", "2", "--disk", str(tmp_path)]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if "requests" in line and "┃" in line)
+    columns = [cell.strip() for cell in header.split("┃")]
+    assert columns.index("CPU hits") + 1 == columns.index("disk hits"), columns
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["engine-0", "engine-1"]
+    code, out, err = run([a for a in SMALL if a != "--json"] + ["--instances", "2"], capsys)
+    assert code == 0 and "disk hits" not in out, err
 
 
 @pytest.mark.parametrize(

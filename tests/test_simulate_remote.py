@@ -23,7 +23,7 @@ LOCAL_FIELDS = {
     "miss_ratio", "belady_cpu_hit_ratio", "cpu_fraction_of_belady", "blocks_stored",
     "blocks_loaded", "bytes_stored", "bytes_loaded", "transfer_gbps", "evictions",
     "rejected_stores", "fast_fail_rejections", "failed_stores", "load_mismatches",
-    "all_loads_verified", "wall_seconds", "manager_latency_us",
+    "all_loads_verified", "wall_seconds", "manager_latency_us", "first_uses", "reusable_ratio",
 }  # fmt: skip
 
 
@@ -70,7 +70,13 @@ def test_two_engines_share_one_server(
 
 def test_a_server_that_is_down_costs_hits_never_the_run(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    report = shared([*SMALL, "--requests", "60", "--remote", url, "--instances", "2"], capsys)
+    argv = ["simulate", *SMALL, "--requests", "60", "--remote", url, "--instances", "2"]
+    code, out, err = run(argv, capsys)
+    warnings = err.splitlines()
+    assert code == 0 and len(warnings) == 2, err  # one at start (ping), one at the end
+    assert all(line.startswith("kvoffload simulate: warning:") for line in warnings), err
+    assert "does not answer" in warnings[0] and "Connection refused" in warnings[1], err
+    report: dict[str, Any] = json.loads(out)
     total = report["total"]
     adds_up(total)
     assert total["remote"]["hits"] == 0 and total["remote"]["failures"] > 0
@@ -92,8 +98,12 @@ def test_the_table_shows_every_engine_and_the_sum(
     argv = [*SLICE, "--requests", "60", "--remote", valkey_server.url, "--instances", "2"]
     code, out, _ = run(["simulate", *argv], capsys)
     assert code == 0
-    for text in ("all engines", "engine 0", "engine 1", "remote hit ratio", "gained by sharing"):
+    lines = out.splitlines()
+    for text in ("all engines", "engine 0", "engine 1"):  # one row each
+        assert sum(text in line for line in lines) == 1, text
+    for text in ("remote hits", "by sharing", "2 engines sharing the remote tier"):
         assert text in out
+    assert sum("4,096 CPU blocks" in line for line in lines) == 1  # said once, in the title
 
 
 def test_bad_instances_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,6 +9,8 @@ docs/integrations.md), so that mode checks the adapter's own invariants only.
 
 from __future__ import annotations
 
+import importlib
+import itertools
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvoffload.integrations.vllm import KvoffloadManager
 from kvoffload.policies import BUILTIN_POLICIES
+from tests.planted import PARTLY_PRESENT, Planted, PlantedAdapter, share
 
 
 def test_the_adapter_takes_its_defaults_from_the_one_place() -> None:
@@ -225,10 +228,10 @@ def test_lookup_states_and_a_failed_store() -> None:
 
 def test_stored_blocks_of_the_call_are_not_evicted_and_none_when_full_or_pinned() -> None:
     manager = KvoffloadManager(3, "lru", enable_events=True)
-    ctx = ReqContext("r")
+    ctx = context("r", [key(name) for name in "abcde"])
     a, b, c = stored(manager, "abc", ctx)
-    # The request's blocks rank in prefix order, tail least recent. Re-offering the tail c
-    # with a new d: c is protected, so b goes.
+    # The request's blocks rank in prefix order (by token position), tail least recent.
+    # Re-offering the tail c with a new d: c is protected, so b goes.
     out = manager.prepare_store([c, key("d")], ctx)
     assert out is not None and out.keys_to_store == [key("d")] and out.evicted_keys == [b]
     manager.complete_store(out.keys_to_store, ctx)
@@ -311,3 +314,155 @@ def test_interleaved_requests_keep_every_invariant(capsys: pytest.CaptureFixture
             ours.manager.check_invariants()
     with capsys.disabled():
         print(f"\ninterleaved requests: {differences} of {compared} stores differ from vLLM")
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_store_completed_in_parts_is_readable_only_if_every_part_succeeded(
+    policy: str,
+) -> None:
+    """A plan of four keys completed by keys in two or more calls, in every split and
+    order, each call succeeding or failing: a key whose completion said failure is never
+    readable (its block holds what no copy wrote). vLLM's own manager marks each key by its
+    own call; ours completes the plan as a whole, so it fails the whole plan."""
+    names = "abcd"
+    for cuts in itertools.product((False, True), repeat=len(names) - 1):
+        parts: list[list[str]] = [[names[0]]]
+        for name, cut in zip(names[1:], cuts, strict=True):
+            if cut:
+                parts.append([name])
+            else:
+                parts[-1].append(name)
+        for order in itertools.permutations(range(len(parts))):
+            for outcome in itertools.product((True, False), repeat=len(parts)):
+                ours = KvoffloadManager(4, policy)
+                ctx = ReqContext("r")
+                keys = [key(name) for name in names]
+                out = ours.prepare_store(keys, ctx)
+                assert out is not None and out.keys_to_store == keys
+                for part, success in zip((parts[i] for i in order), outcome, strict=True):
+                    ours.complete_store([key(name) for name in part], ctx, success)
+                readable = [ours.lookup(k, ctx) is LookupResult.HIT for k in keys]
+                assert readable == [all(outcome)] * len(keys), (parts, order, outcome)
+                ours.manager.check_invariants()
+                assert ours.manager.stats().free == (0 if all(outcome) else 4)
+
+
+def test_a_reset_between_the_parts_of_a_store_keeps_all_its_block_ids_out_of_use() -> None:
+    """A store plan with some keys completed and some not when vLLM resets: the job may
+    still write every block id of the plan (vLLM never completes it now), so none is handed
+    out before ``on_reset_flushed``, and a late completion of its other keys changes
+    nothing."""
+    for done in range(1, 3):
+        manager = KvoffloadManager(3, "lru")
+        ctx = ReqContext("r")
+        keys = [key(name) for name in "abc"]
+        old = manager.prepare_store(keys, ctx)
+        assert old is not None
+        manager.complete_store(keys[:done], ctx)
+        manager.reset_cache()
+        assert manager.prepare_store([key("d")], ctx) is None  # all three quarantined
+        manager.complete_store(keys[done:], ctx)  # a pre-reset job: nothing changes
+        assert manager.prepare_store([key("d")], ctx) is None
+        assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 3
+        manager.on_reset_flushed()
+        new = manager.prepare_store([key(name) for name in "def"], ctx)
+        assert new is not None and sorted(new.store_spec.block_ids.tolist()) == [0, 1, 2]
+        manager.manager.check_invariants()
+
+
+# -- stores of keys partly stored already ---------------------------------------------------
+
+
+def partly_present_problems(adapter: type[KvoffloadManager] = KvoffloadManager) -> list[str]:
+    """Every subset of four keys stored first, then a store offering all four (in order and
+    reversed): the keys to store are vLLM's own manager's, in its order, and each is paired
+    with the CPU block it loads from afterwards (vLLM copies ``keys_to_store[i]`` into
+    ``store_spec.block_ids[i]``)."""
+    problems = []
+    names = "abcd"
+    subsets = itertools.chain.from_iterable(
+        itertools.combinations(names, size) for size in range(len(names) + 1)
+    )
+    for present in subsets:
+        for order in (names, names[::-1]):
+            ours, theirs = adapter(len(names), "lru"), CPUOffloadingManager(len(names), "lru")
+            block_of: dict[OffloadKey, int] = {}
+            case = f"{list(present)} stored, then {list(order)} offered"
+            for offer in ([key(name) for name in present], [key(name) for name in order]):
+                ctx, ctx_theirs = ReqContext("r"), ReqContext("r")
+                out, out_theirs = (
+                    ours.prepare_store(offer, ctx),
+                    theirs.prepare_store(offer, ctx_theirs),
+                )
+                assert out is not None and out_theirs is not None, case
+                expected = list(out_theirs.keys_to_store)
+                if list(out.keys_to_store) != expected:
+                    problems.append(f"{case}: stores {out.keys_to_store}, vLLM's {expected}")
+                block_ids = out.store_spec.block_ids.tolist()
+                block_of.update(zip(out.keys_to_store, block_ids, strict=True))
+                ours.complete_store(out.keys_to_store, ctx)
+                theirs.complete_store(out_theirs.keys_to_store, ctx_theirs)
+            for name in names:
+                k = key(name)
+                if ours.lookup(k, ctx) is not LookupResult.HIT:
+                    problems.append(f"{case}: {name} not stored")
+                    continue
+                loaded = ours.prepare_load([k], ctx).block_ids.tolist()
+                ours.complete_load([k], ctx)
+                if loaded != [block_of.get(k)]:
+                    problems.append(
+                        f"{case}: {name} loads from block {loaded}, stored in {block_of.get(k)}"
+                    )
+            left_open = ours.manager.abstract_state().open_plans  # a store of nothing new too
+            if left_open:
+                problems.append(f"{case}: plans left open {left_open}")
+            ours.manager.check_invariants()
+    return problems
+
+
+def test_a_store_of_partly_stored_keys_pairs_each_key_with_its_own_block() -> None:
+    assert partly_present_problems() == []
+
+
+VLLM_SHARE = [
+    bug
+    for bug in share(PARTLY_PRESENT)
+    if isinstance(bug.subject, PlantedAdapter) and bug.subject.engine == "vllm"
+]
+
+
+@pytest.mark.parametrize("entry", VLLM_SHARE, ids=lambda bug: bug.name)
+def test_the_partly_present_checks_find_their_share_of_the_catalogue(entry: Planted) -> None:
+    planted = entry.subject
+    assert isinstance(planted, PlantedAdapter)
+    adapter = getattr(importlib.import_module(planted.module), planted.class_name)
+    assert issubclass(adapter, KvoffloadManager)
+    assert partly_present_problems(adapter), f"{entry.name}: not found"
+
+
+def test_the_adapter_keeps_nothing_of_jobs_that_ended() -> None:
+    """A server runs for ever: once every job completed (or a reset dropped it and vLLM
+    flushed), none of the adapter's per-job tables holds anything, whatever the jobs did
+    (loads of many key sets, a store failed in part, a reset between a store's parts)."""
+    ours = KvoffloadManager(8, "lru")
+    ctx = ReqContext("r")
+    a, b, c, d = (key(name) for name in "abcd")
+    assert ours.prepare_store([a, b], ctx) is not None
+    ours.complete_store([a, b], ctx)
+    for keys in ([a], [b], [a, b], [b, a], [a]):
+        ours.prepare_load(keys, ctx)
+        ours.complete_load(set(keys), ctx)
+    assert ours.prepare_store([c, d], ctx) is not None
+    ours.complete_store([c], ctx, success=False)
+    ours.reset_cache()  # d never completes: vLLM drops the job
+    ours.on_reset_flushed()
+    tables = {
+        "store plans": ours._store_plan_of,
+        "keys left": ours._store_left,
+        "failed plans": ours._store_failed,
+        "load plans": ours._load_plans,
+        "abandoned": ours._abandoned,
+    }
+    assert {name: table for name, table in tables.items() if table} == {}
+    assert not ours.manager.abstract_state().open_plans
+    ours.manager.check_invariants()

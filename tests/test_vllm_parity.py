@@ -129,3 +129,40 @@ VLLM_ARC = {4000: 0.0846, 8000: 0.1655, 16000: 0.2632, 32000: 0.3089}
 def test_arc_reproduces_vllm_033_on_the_conversation_trace(capacity: int) -> None:
     (point,) = sweep(bundled_trace("conversation"), [capacity], ["arc"]).points
     assert round(point.hit_ratio, 4) == VLLM_ARC[capacity]
+
+
+def either(system: ManagerSurface) -> OffloadModel | OffloadManager:
+    """The keyword ``seen_misses`` is the spec's and the manager's, not the protocol's."""
+    assert isinstance(system, (OffloadModel, OffloadManager))
+    return system
+
+
+@BOTH
+def test_a_requesters_seen_misses_make_its_ghost_hit_count_once(make: Factory) -> None:
+    """``prepare_store(keys, seen_misses=...)``: vLLM retries a refused store every step and
+    counts the ghost hit once per request; without the set, each call counts one."""
+    empty: set[Key] = set()
+    for seen in (empty, None):
+        system = make(2, "arc")
+        stored(system, [b"a", b"b"])
+        stored(system, [b"c"])  # a becomes a ghost
+        pins = system.prepare_load([b"b", b"c"])  # nothing evictable: a's stores are refused
+        targets = []
+        for _ in range(2):
+            assert either(system).prepare_store([b"a"], seen_misses=seen) is None
+            targets.append(target_p(system))
+        assert targets == ([1.0, 1.0] if seen is not None else [1.0, 2.0])
+        if seen is not None:
+            assert seen == {b"a"}
+        system.complete_load(pins)
+        system.check_invariants()
+
+
+@BOTH
+def test_seen_misses_must_be_a_set(make: Factory) -> None:
+    from kvoffload_spec.errors import InvalidArgumentError
+
+    system = make(2, "arc")
+    with pytest.raises(InvalidArgumentError, match="seen_misses"):
+        either(system).prepare_store([b"a"], seen_misses=[b"a"])  # type: ignore[arg-type]
+    assert system.lookup(b"a").value == "miss"

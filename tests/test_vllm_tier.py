@@ -12,21 +12,32 @@ tier's chunks where vLLM's worker would. Two managers are two engines sharing on
 
 from __future__ import annotations
 
+import functools
+import itertools
+import random
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, cast
 
+import numpy as np
 import pytest
 import valkey
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from vllm.config import (
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.v1.kv_offload.base import (
     LookupResult,
+    ReqContext,
 )
+from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 from kvoffload.integrations.vllm_tier import KvoffloadValkeyTier, namespace_of
+from kvoffload.tiers import ValkeyStore
 from kvoffload.tiers.values import HEADER_BYTES, encode_key
 from kvoffload_spec.errors import InvalidArgumentError
 from tests.valkey_server import ValkeyServer, free_port
@@ -230,3 +241,101 @@ def test_a_reset_during_a_stalled_transfer_waits_for_it_and_then_goes_on(
     context, answers = reader.look_up(keys)
     assert answers == [LookupResult.HIT] * 3 and reader.load(keys, context) == chunks
     reader.finish(context)
+
+
+def test_the_tiers_counters_reach_vllms_metrics_endpoint(
+    engines: list[Engine], vllm_config: VllmConfig
+) -> None:
+    """kvoffload's remote counters, per connection, through vLLM's tiering manager's
+    stats and vLLM's own ``OffloadPromMetrics`` (which refuses an undeclared metric)."""
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    engine = Engine(vllm_config, tier_options(url))
+    engines.append(engine)
+    engine.store(keys_for("down", 4), chunk_values(engine, 4, seed=2))
+    context, _ = engine.look_up(keys_for("never", 3))
+    engine.finish(context)
+    registry = CollectorRegistry()
+    kinds = {
+        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
+    }
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=engine.spec.extra_config)
+    )
+    frontend = OffloadPromMetrics(config, kinds, ["engine"], {0: ["0"]})
+    for _ in range(2):  # the second step reports no increase again
+        stats = engine.manager.get_stats()
+        assert stats is not None
+        frontend.observe(stats.data)
+    served = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+    tier = engine.tier.tier_type
+    counts = engine.tier.stats()
+
+    def value(name: str, connection: str, **labels: str) -> float:
+        every = {"engine": "0", "tier": tier, "connection": connection, **labels}
+        return served[(name, tuple(sorted(every.items())))]
+
+    assert value("kvoffload_remote_puts_total", "transfers", result="not_stored") == 4
+    assert value("kvoffload_remote_failures_total", "transfers", kind="connection") == (
+        counts.transfers.connection_errors
+    )
+    assert (
+        value("kvoffload_remote_failures_total", "lookups", kind="connection")
+        == (counts.lookups.connection_errors)
+        >= 1
+    )
+    assert value("kvoffload_remote_calls_total", "lookups", op="contains") == (
+        counts.lookups.contains_calls
+    )
+    assert value("kvoffload_remote_server_down", "transfers") in (0.0, 1.0)
+
+
+# -- loads of partly present chunks, and of values of another size ---------------------------
+
+STATES = ("present", "absent", "short", "long")  # what the server holds under a chunk's key
+
+
+def test_a_load_of_partly_present_chunks_fills_exactly_the_slots_of_valid_ones(
+    valkey_server: ValkeyServer, engines: list[Engine], vllm_config: VllmConfig
+) -> None:
+    """Every mix of three chunks present, absent, or with a valid value one byte shorter or
+    longer than a chunk (another layout's, under this namespace): the tier, called as vLLM's
+    manager calls it, fills each present chunk's slot with its own bytes, leaves every other
+    slot byte for byte as it was, and names exactly the present keys as loaded."""
+    engine = Engine(vllm_config, tier_options(valkey_server.url))
+    engines.append(engine)
+    tier, size = engine.tier, engine.chunk_bytes
+    writer = ValkeyStore(valkey_server.url, namespace=tier.namespace, timeout_s=10)
+    length = {"present": size, "short": size - 1, "long": size + 1}
+    fill = b"\xa5" * size
+    for job_id, states in enumerate(itertools.product(STATES, repeat=3)):
+        keys = keys_for(f"mix-{job_id}", 3)
+        stored = {
+            key: random.Random(f"{job_id}-{i}").randbytes(length[state])
+            for i, (key, state) in enumerate(zip(keys, states, strict=True))
+            if state != "absent"
+        }
+        assert writer.put(list(stored), list(stored.values())) == [True] * len(stored)
+        slots = [100 + i for i in range(3)]  # vLLM allocates from 0: these stay unused
+        for slot in slots:
+            engine.write_slot(slot, fill)
+        context = ReqContext(f"mix-{job_id}")
+        tier.submit_load(
+            TransferJob(job_id, keys, np.array(slots), is_promotion=True, req_context=context)
+        )
+        tier.drain_jobs()
+        (result,) = tier.get_finished_jobs()
+        present = [key for key, state in zip(keys, states, strict=True) if state == "present"]
+        assert result.job_id == job_id
+        assert result.success == (len(present) == 3), states
+        if not result.success:
+            assert list(result.successful_keys or []) == present, states
+        for key, slot, state in zip(keys, slots, states, strict=True):
+            expected = stored[key] if state == "present" else fill
+            assert engine.read_slot(slot) == expected, (states, state)
+    stats = tier.stats().transfers
+    assert stats.rejected_length == 2 * 3 * 4**2  # each of 3 positions short or long in 16 mixes
+    writer.close()

@@ -26,14 +26,15 @@ if TYPE_CHECKING:
 
     from kvoffload.checking.verify import VerifyReport
     from kvoffload.replay.config import DiskTierConfig
-    from kvoffload.replay.report import SimulationReport
-    from kvoffload.replay.simulate import SimulationConfig
+    from kvoffload.replay.report import RemoteTally, SharedSimulationReport, SimulationReport
+    from kvoffload.replay.simulate import MemoryPlan, SimulationConfig
     from kvoffload.replay.sweep import SweepResult
     from kvoffload.replay.traces import Trace
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # a user error (bad trace, size, policy) or a verification that failed
 EXIT_INTERRUPTED = 130
+PIPED_WIDTH = 100  # a table of text in a pipe or a log wraps its words at this width
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a Unix tool killed by a closed pipe reports
 
 
@@ -182,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
         "block once stored (write-through) (default: %(default)s)",
     )
     _add_disk_arguments(simulate)
+    simulate.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="N",
+        help="serve kvoffload's metrics (Prometheus text format) on "
+        "http://127.0.0.1:N/metrics while the replay runs (needs prometheus_client: "
+        "pip install 'kvoffload[metrics]')",
+    )
     _add_json_argument(simulate)
     simulate.set_defaults(command=_run_simulate, command_name="simulate")
 
@@ -385,6 +395,12 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
+    return int(text)
+
+
 # -- the commands ---------------------------------------------------------------------------
 
 
@@ -403,6 +419,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from kvoffload.policies.base import PolicyContractError
 
     disk = _disk_tier(args)
+    if args.metrics_port is not None:
+        where = f"http://127.0.0.1:{args.metrics_port}/metrics"
+        print(f"kvoffload simulate: metrics on {where} while it runs", file=sys.stderr)
     if args.remote is not None or args.instances > 1:
         return _run_simulate_shared(args, trace, config, disk)
     console = _console(stderr=True)
@@ -414,13 +433,18 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 config,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
                 disk=disk,
+                on_start=_announce_memory,
+                metrics_port=args.metrics_port,
             )
     except PolicyContractError as error:  # a bug in the user's policy, said in one line
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
+    except ImportError as error:  # --metrics-port without prometheus_client
+        return _fail(args, str(error))
     if args.json:
         _print_json(report.to_json())
     else:
-        _show_simulation(trace, report)
+        _show_simulation(trace, report, disk=args.disk)
+    _warn_tier_failures(args, report)
     if not report.all_loads_verified:
         return _fail(args, f"{report.load_mismatches} loaded blocks differ from what was stored")
     return EXIT_OK
@@ -559,12 +583,13 @@ def _table(
         table.add_row(*row)
     console = _console()
     if not console.is_terminal:
-        # In a pipe or a log nothing limits the width: print every column whole (a sweep
-        # of every built-in policy is wider than the default 80 columns).
+        # In a pipe or a log nothing limits the width: print a table of numbers with every
+        # column whole (a sweep of every built-in policy is wider than 80 columns), and
+        # wrap the words of a table of text at a width that reads.
         from rich.measure import Measurement
 
         natural = Measurement.get(console, console.options.update_width(1_000), table).maximum
-        console.width = max(console.width, natural)
+        console.width = max(console.width, natural if numeric else min(natural, PIPED_WIDTH))
     console.print(table)
 
 
@@ -574,6 +599,8 @@ def _run_simulate_shared(
     from kvoffload.policies.base import PolicyContractError
     from kvoffload.replay.simulate import simulate_shared
 
+    if args.remote is not None:
+        _check_remote_answers(args.remote)
     console = _console(stderr=True)
     try:
         with _progress(console, enabled=not args.json) as progress:
@@ -586,6 +613,8 @@ def _run_simulate_shared(
                 remote_mode=args.remote_mode,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
                 disk=disk,
+                on_start=_announce_memory,
+                metrics_port=args.metrics_port,
             )
     except PolicyContractError as error:
         return _fail(args, f"{error} (kvoffload verify --policy {args.policy} shows how)")
@@ -594,33 +623,116 @@ def _run_simulate_shared(
     if args.json:
         _print_json(shared.to_json())
     else:
-        total = shared.total
-        where = f", remote {args.remote}" if args.remote else ", no remote"
-        where += f", disk {args.disk}" if args.disk else ""
-        _table(
-            f"kvoffload simulate: {trace.name}, {total.requests:,} requests on "
-            f"{args.instances} engines{where}",
-            ["", "all engines", *(f"engine {i}" for i in range(args.instances))],
-            _shared_rows(total, shared.engines),
-            numeric=False,
-        )
+        _show_shared_simulation(trace, shared, args.remote, args.disk)
+    _warn_tier_failures(args, shared.total)
     if not shared.all_loads_verified:
         wrong = sum(report.load_mismatches for report in shared.engines)
         return _fail(args, f"{wrong} loaded blocks differ from what was stored")
     return EXIT_OK
 
 
-def _shared_rows(total: SimulationReport, engines: list[SimulationReport]) -> list[tuple[str, ...]]:
-    """The summary's rows, one column for the sum and one per engine."""
-    columns = [dict(total.summary_rows())] + [dict(report.summary_rows()) for report in engines]
-    columns[0]["manager call latency"] = "(per engine)"  # the samples are the engines'
-    return [(label, *(column.get(label, "") for column in columns)) for label in columns[0]]
+LARGE_RUN_BYTES = 1 << 30
 
 
-def _show_simulation(trace: Trace, report: SimulationReport) -> None:
+def _announce_memory(plan: MemoryPlan) -> None:
+    """Say what a run will take before it takes it: to a person watching, and to a log
+    whenever it is a lot."""
+    if sys.stderr.isatty() or plan.host_bytes >= LARGE_RUN_BYTES:
+        print(f"kvoffload simulate: {plan.describe()}", file=sys.stderr)
+
+
+def _check_remote_answers(url: str) -> None:
+    """Say at once, on stderr, when the remote tier does not answer: the run still goes on
+    (a store survives a server that is down), but its remote column would be all misses."""
+    from kvoffload.tiers import ValkeyStore
+
+    with ValkeyStore(url, namespace="kvoffload simulate: ping") as probe:
+        if not probe.ping():
+            print(
+                f"kvoffload simulate: warning: the remote tier does not answer "
+                f"({probe.stats().last_error}); the run goes on without it",
+                file=sys.stderr,
+            )
+
+
+def _warn_tier_failures(args: argparse.Namespace, report: SimulationReport) -> None:
+    for name, tally in (("disk", report.disk), ("remote", report.remote)):
+        if tally is not None and tally.failures:
+            _warn(
+                args,
+                f"the {name} tier failed {tally.failures:,} times (last: {tally.last_error}); "
+                "those blocks were recomputed",
+            )
+
+
+def _warn(args: argparse.Namespace, message: str) -> None:
+    print(f"kvoffload {args.command_name}: warning: {message}", file=sys.stderr)
+
+
+def _show_shared_simulation(
+    trace: Trace, shared: SharedSimulationReport, remote: str | None, disk: str | None
+) -> None:
+    """One row per engine and one for them all; what they share is said once, above."""
+    total = shared.total
+    engines = len(shared.engines)
+    if engines == 1:  # one engine and a remote: its summary says it all
+        _show_simulation(trace, total, remote, disk)
+        return
+    where = f"sharing the remote tier {remote}" if remote else "with no remote tier"
+    where += f", each with a disk tier in {disk}/engine-i" if disk else ""
+    columns = [c for c in _ENGINE_COLUMNS if total.disk is not None or c[0] != "disk hits"]
     _table(
-        f"kvoffload simulate: {trace.name}, {report.requests:,} requests",
-        ["", "value"],
+        f"kvoffload simulate: {trace.name}, {total.requests:,} requests over {engines} "
+        f"engine{'s' if engines != 1 else ''} {where}\neach engine: "
+        f"{shared.engines[0].engine_description()}\nreusable at most (an infinite cache): "
+        f"{total.reusable_ratio:.4f} of {total.block_refs:,} block references",
+        [column for column, _ in columns],
+        [
+            (name, *(cell(report) for _, cell in columns[1:]))
+            for name, report in [
+                *((f"engine {i}", report) for i, report in enumerate(shared.engines)),
+                ("all engines", total),
+            ]
+        ],
+    )
+
+
+def _remote_cell(report: SimulationReport, cell: Callable[[RemoteTally], str]) -> str:
+    return "-" if report.remote is None else cell(report.remote)
+
+
+_ENGINE_COLUMNS: list[tuple[str, Callable[[SimulationReport], str]]] = [
+    ("", lambda report: ""),
+    ("requests", lambda report: f"{report.requests:,}"),
+    ("device hits", lambda report: f"{report.device_hit_ratio:.4f}"),
+    ("CPU hits", lambda report: f"{report.cpu_hit_ratio:.4f}"),
+    ("disk hits", lambda report: f"{report.disk_hits / report.block_refs:.4f}"),
+    (
+        "remote hits",
+        lambda report: _remote_cell(report, lambda r: f"{r.hits / report.block_refs:.4f}"),
+    ),
+    (
+        "by sharing",
+        lambda report: _remote_cell(report, lambda r: f"{r.shared_hits / report.block_refs:.4f}"),
+    ),
+    ("recomputed", lambda report: f"{report.miss_ratio:.4f}"),
+    ("stored", lambda report: f"{report.blocks_stored:,}"),
+    ("loaded", lambda report: f"{report.blocks_loaded:,}"),
+    ("remote failures", lambda report: _remote_cell(report, lambda r: f"{r.failures:,}")),
+    (
+        "verified",
+        lambda report: "byte-exact" if report.all_loads_verified else "DIFFER",
+    ),
+]
+
+
+def _show_simulation(
+    trace: Trace, report: SimulationReport, remote: str | None = None, disk: str | None = None
+) -> None:
+    behind = (f", disk tier {disk}" if disk else "") + (f", remote tier {remote}" if remote else "")
+    _table(
+        f"kvoffload simulate: {trace.name}\n{report.engine_description()}{behind}",
+        ["", "value", ""],
         report.summary_rows(),
         numeric=False,
     )

@@ -54,6 +54,7 @@ from kvoffload_spec.validation import (
     check_keys,
     check_open_plan,
     check_seconds,
+    check_seen_misses,
 )
 
 if TYPE_CHECKING:
@@ -197,6 +198,10 @@ class OffloadManager:
         return self._num_blocks - self._fresh + len(self._freed)
 
     @property
+    def store_threshold(self) -> int:
+        return self._store_threshold
+
+    @property
     def num_evictable_blocks(self) -> int:
         return self._num_evictable
 
@@ -226,6 +231,25 @@ class OffloadManager:
             return Lookup.PENDING
         tally.lookup_hits += 1
         return Lookup.HIT
+
+    def peek(self, key: Key) -> Lookup:
+        """``lookup`` without counting it: for a caller that classifies keys on the way to
+        another call (an engine adapter sorting the keys of a store), not a request's lookup.
+        """
+        try:
+            return self._lookup(key)
+        except TypeError:
+            check_key(key)
+            raise
+
+    def offer_count(self, key: Key) -> int:
+        """How many offers of ``key`` the store threshold counts now (0 when it is not
+        tracked, or forgotten; always 0 with ``store_threshold < 2``)."""
+        try:
+            return self._offers.get(key, 0)
+        except TypeError:
+            check_key(key)
+            raise
 
     def stats(self) -> ManagerStats:
         """Gauges and counters, as a frozen snapshot (O(n / 512) for the resident count, plus
@@ -267,14 +291,25 @@ class OffloadManager:
 
     # -- operations ------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
+    def prepare_store(
+        self, keys: Sequence[Key], *, seen_misses: set[Key] | None = None
+    ) -> StorePlan | None:
         """Plan to store the absent ``keys``, evicting to make room; None when they cannot
         all be placed, and then no cache state changed.
+
+        ``seen_misses``: the candidates whose store miss the policy already heard from this
+        requester (vLLM retries a refused store every step, and ARC must count its ghost hit
+        once): not reported again; the ones reported now are added to it.
         """
         distinct = dict.fromkeys(_checked_keys(keys))
+        check_seen_misses(seen_misses)
         candidates = self._candidates(distinct)
-        if candidates:
-            self._policy.on_store_miss(candidates)  # an observation, even if refused
+        heard = candidates
+        if seen_misses is not None:
+            heard = [key for key in candidates if key not in seen_misses]
+            seen_misses.update(heard)
+        if heard:
+            self._policy.on_store_miss(heard)  # an observation, even if refused
         victims = self._make_room(len(candidates), distinct)
         if victims is None:
             self._tally.rejected_stores += 1

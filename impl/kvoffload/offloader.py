@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvoffload.policies.base import EvictionPolicy
+    from kvoffload.stats import TransferStats
     from kvoffload.tiers import RemoteJob, RemoteStore
     from kvoffload.transfer.engine import BlockIds
 
@@ -196,6 +198,8 @@ class Offloader:
             self._tiers = TierPath(
                 stores, self.engine.pool, mode=remote_mode, max_pending=remote_max_pending
             )
+        self._transfer_counts: Counter[str] = Counter()  # TransferStats' fields
+        self._transfer_seconds: defaultdict[str, float] = defaultdict(float)
 
     @property
     def block_size_factor(self) -> int:
@@ -284,6 +288,7 @@ class Offloader:
             del self._job_of[plan.plan_id]
             self._submitted_at.pop(job, None)
             abandoned = self.manager.is_abandoned(plan)  # asked before the completion ends it
+            self._count_transfer(result, abandoned)
             if isinstance(plan, StorePlan):
                 self.manager.complete_store(plan, success=result.ok)
                 if result.ok and not abandoned and self._tiers is not None:
@@ -471,6 +476,27 @@ class Offloader:
         """Each tier's counters, in the order of ``tiers`` (empty without tiers)."""
         with self._lock:
             return [] if self._tiers is None else self._tiers.tier_stats()
+
+    def transfer_stats(self) -> TransferStats:
+        """The copy jobs' counters per direction, as ``poll`` reported them."""
+        from kvoffload.stats import TransferStats
+
+        with self._lock:
+            seconds = self._transfer_seconds
+            return TransferStats(
+                **self._transfer_counts,
+                load_seconds=seconds["load_seconds"],
+                store_seconds=seconds["store_seconds"],
+            )
+
+    def _count_transfer(self, result: JobResult, abandoned: bool) -> None:
+        side = "load" if result.direction is Direction.LOAD else "store"
+        counts = self._transfer_counts
+        counts[f"{side}s"] += 1
+        counts[f"{side}s_failed"] += not result.ok
+        counts[f"{side}_bytes"] += result.nbytes
+        counts["finished_abandoned"] += abandoned
+        self._transfer_seconds[f"{side}_seconds"] += result.seconds
 
     def _write_back(self, plans: Sequence[StorePlan]) -> None:
         """Send the victims of ``plans`` to the tiers with the bytes their block ids hold

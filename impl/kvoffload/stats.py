@@ -70,3 +70,22 @@ class ManagerStats:
         """Hits over all lookups (0.0 before the first lookup)."""
         lookups = self.lookup_hits + self.lookup_misses + self.lookup_pending
         return self.lookup_hits / lookups if lookups else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """What an ``Offloader``'s copy jobs did, per direction, since it was made (a snapshot of
+    ``Offloader.transfer_stats()``): jobs finished, of them failed, bytes and seconds of the
+    copies (failed ones included), and jobs that finished after their plan was abandoned.
+    Fetches from a remote tier are not copies of the device: ``remote_stats()`` has them.
+    """
+
+    loads: int = 0
+    loads_failed: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    stores: int = 0
+    stores_failed: int = 0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    finished_abandoned: int = 0

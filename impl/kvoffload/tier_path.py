@@ -281,26 +281,36 @@ class TierPath:
         queue one read of them all down the tiers; the plans."""
         self._path["fetch_calls"] += 1
         plans: list[StorePlan] = []
-        num_blocks = self._pool.num_blocks
-        from kvoffload.transfer.engine import as_block_ids
+        try:
+            for key in dict.fromkeys(keys):
+                if manager.lookup(key) is not Lookup.MISS:
+                    self._path["fetch_skipped"] += 1
+                    continue
+                plan = manager.prepare_store([key])
+                if plan is None:
+                    self._path["fetch_no_room"] += 1
+                    break
+                if not plan.keys:  # a store_threshold not reached yet: nothing to fetch
+                    manager.complete_store(plan, success=False)
+                    continue
+                plans.append(plan)
+                self._check_fetch_plan(plan)
+            if plans:  # one job writes them all: no block id twice
+                from kvoffload.transfer.engine import as_block_ids, require_distinct
 
-        for key in dict.fromkeys(keys):
-            if manager.lookup(key) is not Lookup.MISS:
-                self._path["fetch_skipped"] += 1
-                continue
-            plan = manager.prepare_store([key])
-            if plan is None:
-                self._path["fetch_no_room"] += 1
-                break
-            if not plan.keys:  # a store_threshold not reached yet: nothing to fetch
-                manager.complete_store(plan, success=False)
-                continue
+                ids = [plan.block_ids[0] for plan in plans]
+                require_distinct(
+                    "cpu_block_ids", as_block_ids("cpu_block_ids", ids, self._pool.num_blocks)
+                )
+        except BaseException:
+            # A manager of the caller's planned a bad block id: nothing is sent, and every
+            # plan made so far ends, or its key would stay pending for ever.
             try:
-                as_block_ids("cpu_block_ids", plan.block_ids, num_blocks)
-            except BaseException:
-                manager.complete_store(plan, success=False)
-                raise
-            plans.append(plan)
+                write_back(plans)  # their victims' bytes: nothing wrote them yet
+            finally:
+                for plan in plans:
+                    manager.complete_store(plan, success=False)
+            raise
         if plans:
             # The victims of them all in one write, queued (and copied) before the fetch
             # that may write their block ids.
@@ -314,6 +324,18 @@ class TierPath:
                 self._fetch_of[plan.plan_id] = job
                 self._fetch_started[plan.plan_id] = started
         return plans
+
+    def _check_fetch_plan(self, plan: StorePlan) -> None:
+        """A fetch plan stores one key: one block id, in the pool (the store path checks
+        its plans so in the Offloader's ``_pool_ids``)."""
+        from kvoffload.transfer.engine import as_block_ids
+
+        if len(plan.block_ids) != len(plan.keys):
+            raise InvalidArgumentError(
+                f"a fetch plan of {len(plan.keys)} key needs as many block ids, got "
+                f"{len(plan.block_ids)}"
+            )
+        as_block_ids("cpu_block_ids", plan.block_ids, self._pool.num_blocks)
 
     def poll(
         self, manager: ManagerOperations, complete: Callable[[StorePlan, bool], None]

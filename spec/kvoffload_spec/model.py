@@ -34,6 +34,7 @@ from kvoffload_spec.validation import (
     check_keys,
     check_open_plan,
     check_policy_name,
+    check_seen_misses,
 )
 
 
@@ -97,9 +98,17 @@ class OffloadModel:
 
     # -- operations ------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
-        """Plan to store ``keys``; None when they cannot all be placed (nothing changed)."""
-        return self.state.prepare_store(check_keys(keys))
+    def prepare_store(
+        self, keys: Sequence[Key], *, seen_misses: set[Key] | None = None
+    ) -> StorePlan | None:
+        """Plan to store ``keys``; None when they cannot all be placed (nothing changed).
+
+        ``seen_misses``: the candidates whose store miss the policy already heard from this
+        requester (an engine retries a refused store every step): not reported again; the
+        ones reported now are added to it.
+        """
+        checked = check_keys(keys)
+        return self.state.prepare_store(checked, seen_misses=check_seen_misses(seen_misses))
 
     def complete_store(self, plan: StorePlan, success: bool = True) -> None:
         check_flag("success", success)

@@ -194,8 +194,12 @@ class SpecState:
 
     # -- transitions -----------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
+    def prepare_store(
+        self, keys: Sequence[Key], seen_misses: set[Key] | None = None
+    ) -> StorePlan | None:
         """Plan to store the absent ``keys``, evicting what the policy chooses to make room.
+        The policy hears the candidates' store misses, those in ``seen_misses`` excepted
+        (which then holds them all).
 
         Pre: the state satisfies every invariant (checked after the previous call).
         Post, on None: no cache state changed (only the observations may have: the offer
@@ -214,7 +218,12 @@ class SpecState:
             candidates = absent
         # Before anything is evicted or inserted (insert drops a ghost), and also when the
         # store is then refused: what the request asked for is an observation.
-        self.order.on_store_miss(candidates)
+        if seen_misses is None:
+            self.order.on_store_miss(candidates)
+        else:
+            heard = [key for key in candidates if key not in seen_misses]
+            self.order.on_store_miss(heard)
+            seen_misses.update(heard)
         evictable_before = self.num_evictable
         need = len(candidates) - len(self.free_block_ids)
         victims: list[Key] = []

@@ -47,6 +47,14 @@ def check_seconds(name: str, value: object) -> float:
     return float(value)
 
 
+def check_seen_misses(seen_misses: object) -> set[Key] | None:
+    """``prepare_store``'s record of the misses a requester reported already: a set (it
+    is updated in place) or None."""
+    if seen_misses is not None and not isinstance(seen_misses, set):
+        _fail(f"seen_misses must be a set or None, got {type(seen_misses).__name__}")
+    return seen_misses
+
+
 def check_policy_name(policy: object, known: Sequence[str]) -> str:
     if not isinstance(policy, str) or policy not in known:
         raise UnknownPolicyError(f"unknown policy {policy!r}: choose one of {', '.join(known)}")

@@ -2,10 +2,11 @@
 
 Each entry names the bug, says it in words, holds the broken thing (a copy of the spec with
 edited lines, :class:`~tests.planted.spec.Variant`; a manager built with a broken class,
-:class:`ManagerBug`; or broken remote-tier rules, a ``TierRules`` subclass) and is tagged
-with the checkers that must find it. tests/test_catalogue.py
-runs each checker on its share (CrossHair's share runs in tests/test_crosshair.py, whose
-CrossHair processes are pooled); a check that cannot fail shows up there as a bug it misses.
+:class:`ManagerBug`; or broken remote-tier rules and the world they are explored in,
+:class:`~tests.planted.tiers.TierBug`) and is tagged with the checkers that must find it.
+tests/test_catalogue.py runs each checker on its share (CrossHair's share runs in
+tests/test_crosshair.py, whose CrossHair processes are pooled); a check that cannot fail
+shows up there as a bug it misses.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from kvoffload.manager import OffloadManager
 from kvoffload.offloader import Offloader
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload_spec.disk import DiskRules
-from kvoffload_spec.tiers import TierRules
 from tests.planted import block_ids as broken_ids
 from tests.planted import crosshair_manager as broken_contracts
 from tests.planted import disk as broken_disk
 from tests.planted import layouts as broken_layouts
 from tests.planted import manager as broken
+from tests.planted import planner as broken_planner
 from tests.planted import policies as broken_policies
 from tests.planted import races as broken_races
+from tests.planted import stores as broken_stores
 from tests.planted import tiers as broken_tiers
 from tests.planted.spec import VARIANTS, Variant
 
@@ -46,6 +48,10 @@ ABANDONED_FETCH = "abandoned fetch"  # a stalled fetch abandoned, the pool reuse
 DISK = (
     "disk explorer"  # the pool over its disk tier, crashes and restarts (tests/test_disk_spec.py)
 )
+FETCH_JOBS = "fetch jobs"  # jobs of 1-4 fetch plans, every subset abandoned, reset or wait
+PARTLY_PRESENT = "partly-present keys"  # adapters' batches with every subset stored already
+PLANNER = "run planner checks"  # mixed packed/strided layouts, both paths, vs a reference
+STORE_CONTRACT = "store contract"  # tests/store_contract.py: every RemoteStore keeps it
 
 CHECKERS = (
     EXPLORER,
@@ -63,6 +69,10 @@ CHECKERS = (
     OFFLOADER_MACHINE,
     VERIFY,
     ABANDONED_FETCH,
+    FETCH_JOBS,
+    PARTLY_PRESENT,
+    PLANNER,
+    STORE_CONTRACT,
     DISK,
 )
 
@@ -84,6 +94,16 @@ class ManagerBug:
 
 
 @dataclass(frozen=True)
+class PlantedAdapter:
+    """A broken adapter class of ``engine``, named for the engine's own factory to load
+    (importing it imports the engine, so the catalogue does not)."""
+
+    engine: str
+    module: str
+    class_name: str
+
+
+@dataclass(frozen=True)
 class CrossHairTarget:
     """A broken manager whose ``check`` contract CrossHair must refute."""
 
@@ -98,7 +118,7 @@ class CrossHairTarget:
 Subject = (
     Variant
     | ManagerBug
-    | TierRules
+    | broken_tiers.TierBug
     | DiskRules
     | CrossHairTarget
     | broken_ids.PlantedIdBug
@@ -106,6 +126,9 @@ Subject = (
     | broken_layouts.StrictStrideBug
     | type[Offloader]
     | broken_policies.UserPolicyBug
+    | broken_stores.PlantedStore
+    | PlantedAdapter
+    | broken_planner.PlannerBug
 )
 """What a planted bug is: the broken thing its checkers are handed."""
 
@@ -219,15 +242,8 @@ _MANAGERS = (
 )
 
 _TIERS = tuple(
-    _planted(rules.__name__, rules, rules(), TIERS)
-    for rules in (
-        broken_tiers.AcceptsAnotherKeysValue,
-        broken_tiers.AcceptsAPartialValue,
-        broken_tiers.AcceptsAForeignValue,
-        broken_tiers.TreatsAMissAsAHit,
-        broken_tiers.FreesAnAbandonedFetchsSlot,
-        broken_tiers.WritesBackLate,
-    )
+    _planted(type(bug.rules).__name__, type(bug.rules), bug, TIERS)
+    for bug in broken_tiers.PLANTED_TIER_BUGS
 )
 
 
@@ -283,12 +299,60 @@ _OFFLOADERS = (
         broken.OffloaderFreesAnAbandonedFetchAtOnce,
         broken.OffloaderFreesAnAbandonedFetchAtOnce,
         ABANDONED_FETCH,
+        FETCH_JOBS,
+    ),
+    _planted(
+        "the offloader stops waiting for a fetch job at its first abandoned plan",
+        broken.OffloaderStopsWaitingAtAnAbandonedPlan,
+        broken.OffloaderStopsWaitingAtAnAbandonedPlan,
+        FETCH_JOBS,
     ),
 )
 
 _USER_POLICIES = tuple(
     _planted(bug.policy.__name__, bug.policy, bug, VERIFY)
     for bug in broken_policies.USER_POLICY_BUGS
+)
+
+_STORES = tuple(
+    _planted(bug.store_class.__name__, bug.store_class, bug, STORE_CONTRACT)
+    for bug in broken_stores.PLANTED_STORES
+)
+
+_ADAPTERS = (
+    Planted(
+        "sglang: a batch set pairs the call's keys with the plan's block ids",
+        "A batch set pairs the call's keys (not the plan's) with the plan's block ids: when "
+        "some keys are stored already, one key's page goes under another key.",
+        PlantedAdapter("sglang", "tests.planted.adapters", "PairsTheCallsKeysWithThePlansBlocks"),
+        frozenset({PARTLY_PRESENT}),
+    ),
+    Planted(
+        "sglang: a batch set takes the stored keys for a prefix",
+        "A batch set takes the plan's pages from the end of the call, as if the keys stored "
+        "already were a prefix: where they are not, a new key's block gets another's page.",
+        PlantedAdapter("sglang", "tests.planted.adapters", "AssumesTheStoredKeysAreAPrefix"),
+        frozenset({PARTLY_PRESENT}),
+    ),
+    Planted(
+        "sglang: a batch set from host pages gathers the first pages for the new keys",
+        "batch_set_v1 sends only the keys not stored yet, each with one of the first host "
+        "pages instead of its own: the pages of the keys before it are stored.",
+        PlantedAdapter("sglang", "tests.planted.adapters", "GathersTheFirstHostPagesForTheNewKeys"),
+        frozenset({PARTLY_PRESENT}),
+    ),
+    Planted(
+        "vllm: prepare_store names the last offered keys as the keys to store",
+        "prepare_store names the last offered keys, as many as the plan stores, as the keys "
+        "to store: where the stored ones are not a prefix of the offer, vLLM copies one "
+        "key's block into another's CPU block.",
+        PlantedAdapter("vllm", "tests.planted.vllm_adapter", "NamesTheLastOfferedKeysAsStored"),
+        frozenset({PARTLY_PRESENT}),
+    ),
+)
+
+_PLANNERS = tuple(
+    Planted(bug.name, bug.bug, bug, frozenset({PLANNER})) for bug in broken_planner.PLANNER_BUGS
 )
 
 CATALOGUE: tuple[Planted, ...] = (
@@ -302,6 +366,9 @@ CATALOGUE: tuple[Planted, ...] = (
     + _LAYOUTS
     + _OFFLOADERS
     + _USER_POLICIES
+    + _STORES
+    + _ADAPTERS
+    + _PLANNERS
 )
 """Every planted bug, spec copies first."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Container, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 from kvoffload.manager import OffloadManager
 from kvoffload.offloader import Offloader
@@ -17,6 +18,9 @@ from kvoffload.policies.duel import DuelPolicy
 from kvoffload.policies.lru import LruPolicy
 from kvoffload_spec.surface import Key, LoadPlan, Plan, RemovalReason, StorePlan
 from kvoffload_spec.validation import check_flag, check_keys
+
+if TYPE_CHECKING:
+    from kvoffload.tiers import RemoteJob
 
 
 class MostRecentFirst(EvictionPolicy):
@@ -269,3 +273,19 @@ class OffloaderFreesAnAbandonedFetchAtOnce(Offloader):
     def _complete_fetch(self, plan: StorePlan, accepted: bool) -> None:
         if plan.plan_id not in self.ended:
             super()._complete_fetch(plan, accepted)
+
+
+class OffloaderStopsWaitingAtAnAbandonedPlan(Offloader):
+    """Counts a fetch job as abandoned as soon as any one of its plans is: ``reset`` and
+    ``wait`` stop waiting for a job whose other plans are live, and ``reset`` frees their
+    block ids while the job can still write them."""
+
+    def _unabandoned_fetches(self) -> list[RemoteJob]:
+        tiers = self._tiers
+        if tiers is None:
+            return []
+        return [
+            tiers._fetch_of[plans[0].plan_id]
+            for plans in tiers._fetch_plans.values()
+            if not any(map(self.manager.is_abandoned, plans))
+        ]

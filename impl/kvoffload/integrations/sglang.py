@@ -90,6 +90,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         with self._lock:
+            self._check_host_indices(keys, host_indices)
             return self._set(
                 [key.encode() for key in keys],
                 [self._host_page(host_indices, i) for i in range(len(keys))],
@@ -99,6 +100,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         with self._lock:
+            self._check_host_indices(keys, host_indices)
             names = [key.encode() for key in keys]
             hits = self._hit_prefix(names)
             plan = self.manager.prepare_load(names[:hits])
@@ -125,6 +127,12 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         target_location: Any = None,
         target_sizes: Any = None,
     ) -> bool:
+        """Store one page: ``value`` (a tensor), or, as SGLang's Mooncake backend calls it,
+        the ``target_sizes`` bytes at the host-pool address ``target_location``."""
+        if value is None and target_location is not None:
+            return self.batch_set(
+                [key], target_locations=[target_location], target_sizes=[target_sizes]
+            )
         return self.batch_set([key], [value])
 
     def batch_set(
@@ -135,9 +143,15 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         target_sizes: Any = None,
     ) -> bool:
         with self._lock:
+            if values is None and target_locations is not None:
+                values = self._host_slices(keys, target_locations, target_sizes)
             return all(self._set([key.encode() for key in keys], list(values or [])))
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """A page's tensor (None: not there); with ``target_location`` a tensor, the page
+        copied into it; with an address (the zero-copy form), True once copied there."""
+        if isinstance(target_location, int):
+            return self.batch_get([key], [target_location], [target_sizes]) == 1
         found = self.batch_get([key], [target_location] if target_location is not None else None)
         return found[0] if isinstance(found, list) else None
 
@@ -147,23 +161,42 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> list[torch.Tensor | None] | int:
+        """The pages of the hit prefix of ``keys``: as tensors (copied into
+        ``target_locations`` when given), or, given addresses in the host pool (the
+        zero-copy form), copied there and counted (the hit prefix's length)."""
         with self._lock:
+            addresses = target_locations is not None and all(
+                isinstance(location, int) for location in target_locations
+            )
+            if addresses:
+                target_locations = self._host_slices(keys, target_locations, target_sizes)
             names = [key.encode() for key in keys]
+            if target_locations is not None:
+                if len(target_locations) < len(keys):
+                    raise InvalidArgumentError(
+                        f"{len(keys)} keys but {len(target_locations)} target locations"
+                    )
+                self._check_page_sizes(  # address slices are bytes, not the pages' dtype
+                    "target location",
+                    target_locations[: len(keys)],
+                    None if addresses else self._page_dtype,
+                )
             hits = self._hit_prefix(names)
             plan = self.manager.prepare_load(names[:hits])
             found: list[torch.Tensor | None] = [None] * len(keys)
             try:
                 for i, slot in enumerate(plan.block_ids):
-                    data = self._pool_page(slot).view(self._page_dtype)
+                    data = self._pool_page(slot)
                     if target_locations is not None:
-                        target_locations[i].copy_(data)
-                        found[i] = target_locations[i]
+                        target = target_locations[i]
+                        target.copy_(data if addresses else data.view(self._page_dtype))
+                        found[i] = target
                     else:
-                        found[i] = data.clone()
+                        found[i] = data.view(self._page_dtype).clone()
             finally:
                 self.manager.complete_load(plan)
             self.manager.touch(names[:hits])
-            return found
+            return hits if addresses else found
 
     def clear(self) -> None:
         with self._lock:
@@ -184,6 +217,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
     def _set(self, keys: list[bytes], pages: list[torch.Tensor]) -> list[bool]:
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
+        self._check_page_sizes("page", pages)
         plan = self.manager.prepare_store(keys)
         if plan is None:  # no room: keys already stored still count as stored
             return [self.manager.lookup(key) is Lookup.HIT for key in keys]
@@ -198,6 +232,77 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             self.manager.complete_store(plan, ok)
         return [self.manager.lookup(key) is Lookup.HIT for key in keys]
 
+    def _host_slices(self, keys: list[str], addresses: Any, sizes: Any) -> list[torch.Tensor]:
+        """The host-pool bytes at ``addresses`` (one page of ``sizes`` bytes each), as
+        views: an address outside the registered host pool, or a size other than a page's,
+        is refused before anything is read or written."""
+        addresses, sizes = list(addresses), list(sizes or [])
+        if not len(keys) == len(addresses) == len(sizes):
+            raise InvalidArgumentError(
+                f"{len(keys)} keys, {len(addresses)} target locations, {len(sizes)} sizes"
+            )
+        page_bytes = self._page_bytes()
+        regions = self._host_regions()
+        views = []
+        for address, size in zip(addresses, sizes, strict=True):
+            if isinstance(size, bool) or not isinstance(size, int) or size != page_bytes:
+                raise InvalidArgumentError(
+                    f"target size {size!r}: this backend stores whole pages of {page_bytes} "
+                    "bytes (all layers' K and V of one page)"
+                )
+            views.append(_inside(regions, address, size))
+        return views
+
+    def _host_regions(self) -> list[torch.Tensor]:
+        buffers = getattr(self._host, "kv_buffer", None)
+        if isinstance(buffers, torch.Tensor):
+            buffers = [buffers]
+        regions = [
+            buffer.view(-1).view(torch.uint8)
+            for buffer in buffers or []
+            if isinstance(buffer, torch.Tensor)
+            and buffer.device.type == "cpu"
+            and buffer.is_contiguous()
+        ]
+        if not regions:
+            raise InvalidArgumentError(
+                "the registered host pool has no contiguous CPU kv_buffer to address"
+            )
+        return regions
+
+    def _check_page_sizes(
+        self, what: str, pages: Sequence[Any], dtype: torch.dtype | None = None
+    ) -> None:
+        """Before the manager plans anything: a page of another size would be cut short,
+        spread over the pool page by broadcasting, or raise half-way (victims evicted); a
+        target of another dtype would take the page's values converted, not its bytes."""
+        page_bytes = self._page_bytes()
+        for i, page in enumerate(pages):
+            if not isinstance(page, torch.Tensor):
+                raise InvalidArgumentError(f"{what} #{i} is a {type(page).__name__}, not a tensor")
+            if dtype is not None and page.dtype != dtype:
+                raise InvalidArgumentError(f"{what} #{i} is {page.dtype}; pages are {dtype}")
+            if page.numel() * page.element_size() != page_bytes:
+                raise InvalidArgumentError(
+                    f"{what} #{i} holds {page.numel() * page.element_size()} bytes; "
+                    f"a page holds {page_bytes}"
+                )
+
+    def _page_bytes(self) -> int:
+        if self._pool is None:
+            raise InvalidArgumentError("register_mem_pool_host must come first")
+        return int(self._pool.shape[1])
+
+    def _check_host_indices(self, keys: list[str], host_indices: torch.Tensor) -> None:
+        """SGLang hands ``page_size`` host indices per key."""
+        self._page_bytes()  # registered first
+        expected = len(keys) * self._host.page_size
+        if len(host_indices) != expected:
+            raise InvalidArgumentError(
+                f"{len(keys)} keys need {expected} host indices "
+                f"({self._host.page_size} per page), got {len(host_indices)}"
+            )
+
     def _host_page(self, host_indices: torch.Tensor, page: int) -> torch.Tensor:
         index = int(host_indices[page * self._host.page_size])
         data: torch.Tensor = self._host.get_data_page(index, flat=True)
@@ -206,3 +311,17 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
     def _pool_page(self, block_id: int) -> torch.Tensor:
         assert self._pool is not None
         return self._pool[block_id]
+
+
+def _inside(regions: list[torch.Tensor], address: object, size: int) -> torch.Tensor:
+    """The ``size`` bytes at ``address``, a view of the region (a host pool buffer) that
+    holds all of them; an address anywhere else is refused, never dereferenced."""
+    if isinstance(address, bool) or not isinstance(address, int):
+        raise InvalidArgumentError(f"a target location must be an address (int), got {address!r}")
+    for region in regions:
+        start = region.data_ptr()
+        if start <= address and address + size <= start + region.numel():
+            return region[address - start : address - start + size]
+    raise InvalidArgumentError(
+        f"target location {address:#x} (+{size} bytes) is not inside the registered host pool"
+    )

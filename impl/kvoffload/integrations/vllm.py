@@ -31,18 +31,22 @@ from vllm.v1.kv_offload.base import (
     Medium,
     OffloadingEvent,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingWorker,
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
     TransferResult,
+    get_offload_group_idx,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvoffload.integrations.vllm_metrics import MANAGER_METRICS, StepReport, definitions
 from kvoffload.manager import OffloadManager
+from kvoffload.metrics import manager_samples
 from kvoffload.transfer import CpuBlockPool, KVLayout, TransferEngine
 from kvoffload_spec.defaults import (
     DEFAULT_MAX_TRACKER_SIZE,
@@ -68,12 +72,18 @@ _LOOKUP = {Lookup.HIT: LookupResult.HIT, Lookup.PENDING: LookupResult.HIT_PENDIN
 
 @dataclass(slots=True)
 class _RequestAccess:
-    """The keys one request touched, for its recency (vLLM 0.33 never calls ``touch``)."""
+    """What one request did with the pool, for its recency (vLLM 0.33 never calls
+    ``touch``) and its store misses (a policy hears each once per request)."""
 
     owner: object
     generation: int
-    order: dict[OffloadKey, int] = field(default_factory=dict)  # key -> prefix position
-    reused: set[OffloadKey] = field(default_factory=set)  # ready when the request met it
+    # key -> its token position (None: the engine gave none), in the order first met
+    order: dict[OffloadKey, int | None] = field(default_factory=dict)
+    unpositioned: bool = False  # some key has no position
+    inserted: set[OffloadKey] = field(default_factory=set)  # placed by its own stores
+    # ready when the request met it, and not its own store then: a reuse
+    reused: set[OffloadKey] = field(default_factory=set)
+    store_misses: set[OffloadKey] = field(default_factory=set)  # heard by the policy
     finished: bool = False
 
 
@@ -84,10 +94,13 @@ class KvoffloadManager(OffloadingManager):
     completion is mapped back to the plan of that call: a store by its keys (a pending key
     belongs to exactly one open store plan), a load by its set of keys (two requests may load
     the same blocks at once; their plans complete oldest first). Recency, which vLLM 0.33's
-    scheduler never reports through ``touch``, comes from the accesses of each request: its
-    keys are touched in prefix order (the head ends most recent) after each of its prepare
-    calls and when it finishes. A reset abandons every open plan, so that no block id an old
-    job may still write is handed out before ``on_reset_flushed`` says those jobs are over.
+    scheduler never reports through ``touch``, comes from the accesses of each request:
+    its keys are touched in prefix order (the head ends most recent) after each of its
+    prepare calls and when it finishes. For a policy whose touch counts a reuse (ARC),
+    a reuse is one per request, when it finishes, and a request reading back or offering
+    again what it stored itself is no reuse (as in vLLM's manager). A reset abandons every
+    open plan, so that no block id an old job may still write is handed out before
+    ``on_reset_flushed`` says those jobs are over.
     """
 
     def __init__(
@@ -102,6 +115,14 @@ class KvoffloadManager(OffloadingManager):
         manager: OffloadManager | None = None,
     ) -> None:
         self.medium = Medium.CPU
+        if manager is None and not (isinstance(num_chunks, int) and num_chunks >= 1):
+            # vLLM's own manager then offloads nothing, quietly: a budget that holds no
+            # chunk is a configuration mistake, said here at start-up.
+            raise InvalidArgumentError(
+                f"the CPU pool holds {num_chunks!r} chunks: kv_connector_extra_config's "
+                "cpu_bytes_to_use must hold at least one chunk (blocks_per_chunk device "
+                "blocks of every layer)"
+            )
         self.manager = manager or OffloadManager(
             num_chunks,
             eviction_policy,
@@ -110,17 +131,23 @@ class KvoffloadManager(OffloadingManager):
             enable_events=enable_events,
         )
         self._events_on = enable_events
+        self._store_threshold = store_threshold
         self._config_info: ConfigInfoMapping = config_info or {}
-        # A policy that reads a touch of a ready key as a second use (ARC) must not hear a
-        # request's own completed stores as reuse; a recency-only one (LRU) must, or the
-        # request's tail and head end in the wrong order.
-        self._touch_own_stores = not self.manager.policy.touch_counts_reuse
+        # A policy that reads a touch of a ready key as a second use (ARC) hears a
+        # request's reuses once, when it finishes, and never its own stores as reuse; a
+        # recency-only one (LRU) must hear every access at once, or the request's tail and
+        # head end in the wrong order.
+        self._touch_counts_reuse = self.manager.policy.touch_counts_reuse
         self._store_plan_of: dict[OffloadKey, StorePlan] = {}  # pending key -> its open plan
         self._store_left: dict[int, set[OffloadKey]] = {}  # plan id -> keys not completed yet
+        self._store_failed: set[int] = set()  # plan ids a completion of some key failed
         self._load_plans: defaultdict[frozenset[OffloadKey], deque[LoadPlan]] = defaultdict(deque)
         self._abandoned: list[Plan] = []  # due at on_reset_flushed
+        self._carried: list[Event] = []  # events from before a reset, not taken yet
         self._generation = 0
         self._allocation_sizes: list[int] = []
+        self._stores_skipped = 0
+        self._step_report = StepReport()
 
     # -- lookups and loads -----------------------------------------------------------------
 
@@ -155,22 +182,27 @@ class KvoffloadManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         offered = list(keys)
-        found = {key: self.manager.lookup(key) for key in offered}
+        found = {key: self.manager.peek(key) for key in offered}  # distinct, in call order
+        access = self._access(req_context)
+        plan = self.manager.prepare_store(offered, seen_misses=access.store_misses)
+        missing = [key for key, state in found.items() if state is Lookup.MISS]
+        candidates = self._candidates(missing)
+        if candidates:  # asked for, whether or not room was found (as vLLM counts it)
+            self._allocation_sizes.append(len(candidates))
+        self._stores_skipped += len(missing) - len(candidates)
+        # The request accessed the keys it asked to store and the ready ones it offered
+        # again; a key another request is still storing is neither (as in vLLM's manager).
         ready = [key for key, state in found.items() if state is Lookup.HIT]
-        plan = self.manager.prepare_store(offered)
-        # The request accessed the keys it stores and the ready ones it offered again; a key
-        # another request is still storing is neither (vLLM's manager records the same).
-        stored = [key for key, state in found.items() if state is Lookup.MISS]
-        accessed = set(ready).union(stored if plan is None else plan.keys)
-        self._record(req_context, [key for key in offered if key in accessed], reused=ready)
+        accessed = set(ready).union(candidates)
+        self._record(req_context, [key for key in found if key in accessed], reused=ready)
         if plan is None:
             self._touch_request(req_context)
             return None
+        access.inserted.update(plan.keys)
         if not plan.keys:
             # Nothing to store: vLLM makes no job, so no completion will come. Close it.
             self.manager.complete_store(plan)
         else:
-            self._allocation_sizes.append(len(plan.keys))
             self._store_left[plan.plan_id] = set(plan.keys)
             for key in plan.keys:
                 self._store_plan_of[key] = plan
@@ -190,9 +222,20 @@ class KvoffloadManager(OffloadingManager):
                 continue  # not pending in an open plan (a pre-reset job, or reported twice)
             left = self._store_left[plan.plan_id]
             left.discard(key)
+            if not success:  # a plan completes as a whole: one key's failure fails it
+                self._store_failed.add(plan.plan_id)
             if not left:
                 del self._store_left[plan.plan_id]
-                self.manager.complete_store(plan, success)
+                failed = plan.plan_id in self._store_failed
+                self._store_failed.discard(plan.plan_id)
+                self.manager.complete_store(plan, not failed)
+
+    def _candidates(self, missing: list[OffloadKey]) -> list[OffloadKey]:
+        """The keys of ``missing`` the manager admitted as store candidates just now."""
+        threshold = self.manager.store_threshold
+        if threshold < 2:
+            return missing
+        return [key for key in missing if self.manager.offer_count(key) >= threshold]
 
     # -- requests --------------------------------------------------------------------------
 
@@ -206,7 +249,7 @@ class KvoffloadManager(OffloadingManager):
             return
         if access.finished:
             return
-        self._touch_request(req_context)
+        self._touch_request(req_context, finishing=True)
         access.finished = True
 
     # -- reset -----------------------------------------------------------------------------
@@ -216,6 +259,7 @@ class KvoffloadManager(OffloadingManager):
         # workers have reported them all. Abandon their plans first: a store's block ids stay
         # quarantined (handed to no one) until then, so an old copy cannot land in a CPU
         # block a new key was given.
+        self._carried += self.manager.take_events()
         open_plans: list[Plan] = list(
             {plan.plan_id: plan for plan in self._store_plan_of.values()}.values()
         )
@@ -225,8 +269,13 @@ class KvoffloadManager(OffloadingManager):
         self._abandoned += open_plans
         self._store_plan_of.clear()
         self._store_left.clear()
+        self._store_failed.clear()
         self._load_plans.clear()
         self.manager.reset_cache()
+        # vLLM's manager announces nothing at a reset: its scheduler resets its event
+        # tracker instead, and may store the same chunks again before it takes events, so
+        # a removal announced now would drop a re-stored chunk's metadata.
+        self.manager.take_events()
         self._generation += 1
 
     def on_reset_flushed(self) -> None:
@@ -242,7 +291,17 @@ class KvoffloadManager(OffloadingManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events_on:
             return []
-        return [_vllm_event(event) for event in self.manager.take_events() if event.keys]
+        events, self._carried = [*self._carried, *self.manager.take_events()], []
+        taken = []
+        for event in events:
+            keys = event.keys
+            if isinstance(event, BlocksRemoved) and event.reason is RemovalReason.STORE_FAILED:
+                # A retry may own the key again already: its store is not the one that
+                # failed, and its metadata must stay (vLLM's manager drops these too).
+                keys = tuple(key for key in keys if self.manager.peek(key) is Lookup.MISS)
+            if keys:
+                taken.append(_vllm_event(event, keys))
+        return taken
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = self.manager.stats()
@@ -256,6 +315,12 @@ class KvoffloadManager(OffloadingManager):
         for size in self._allocation_sizes:
             connector_stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
         self._allocation_sizes.clear()
+        if self._store_threshold >= 2:  # declared by the spec only then (as vLLM's)
+            connector_stats.increase_counter(
+                CPUOffloadingMetrics.STORES_SKIPPED, self._stores_skipped
+            )
+            self._stores_skipped = 0
+        self._step_report.add(connector_stats, manager_samples(stats))
         return connector_stats
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
@@ -281,19 +346,60 @@ class KvoffloadManager(OffloadingManager):
         for key in keys:
             if key not in access.order:
                 position = req_context.get_offload_key_position(key)
-                access.order[key] = len(access.order) if position is None else position
-        access.reused.update(reused)
+                access.order[key] = position
+                access.unpositioned |= position is None
+        # Reading back (or offering again) a block the request stored itself is an
+        # internal transfer, not a second use.
+        access.reused.update(key for key in reused if key not in access.inserted)
 
-    def _touch_request(self, req_context: ReqContext) -> None:
-        """Touch the request's keys in prefix order, so its head ends most recent."""
+    def _touch_request(self, req_context: ReqContext, finishing: bool = False) -> None:
+        """Touch the request's keys in prefix order, so its head ends most recent.
+
+        For a policy whose touch counts a reuse (ARC), vLLM orders a request's own stores
+        (head most recent) and counts its reuses once, when it finishes; a touch of a
+        ready block would count a reuse, so ours orders the request's own stores while
+        they are pending, by their token positions (a block without one keeps the order
+        it was stored in, as in vLLM while the request runs), and touches its reuses, and
+        its stores still pending, when it finishes (docs/integrations.md).
+        """
         access = self._access(req_context)
         if access.finished:
             return
-        keys = sorted(access.order, key=access.order.__getitem__)
-        if not self._touch_own_stores:
-            keys = [key for key in keys if key in access.reused or key in self._store_plan_of]
+        if not self._touch_counts_reuse:
+            keys = _prefix_order(access, finishing)
+        else:
+            pending, inserted, order = self._store_plan_of, access.inserted, access.order
+            if finishing:
+                reused = access.reused
+                keys = [
+                    key
+                    for key in _prefix_order(access, finishing)
+                    if (key in inserted and key in pending)
+                    or (key in reused and self.manager.peek(key) is not Lookup.MISS)
+                ]
+            else:
+                own = [k for k in order if k in inserted and k in pending and order[k] is not None]
+                keys = sorted(own, key=order.__getitem__)  # type: ignore[arg-type]
         if keys:
             self.manager.touch(keys)
+
+
+def _prefix_order(access: _RequestAccess, finishing: bool) -> list[OffloadKey]:
+    """The request's keys head first, as vLLM's manager ranks them: by token position; a
+    key without one, while the request runs, as more recent than the positioned ones and
+    than those met before it; once it finishes, if any key has none, in the order met,
+    KV cache group by group."""
+    order = access.order
+    if not access.unpositioned:
+        return sorted(order, key=order.__getitem__)  # type: ignore[arg-type]
+    if finishing:
+        met = {key: index for index, key in enumerate(order)}
+        return sorted(order, key=lambda key: (get_offload_group_idx(key), met[key]))
+    ranked = {
+        key: (1, position) if position is not None else (0, -index)
+        for index, (key, position) in enumerate(order.items())
+    }
+    return sorted(order, key=ranked.__getitem__)
 
 
 def _require_cpu_spec(spec: LoadStoreSpec) -> None:
@@ -304,8 +410,8 @@ def _require_cpu_spec(spec: LoadStoreSpec) -> None:
         )
 
 
-def _vllm_event(event: Event) -> OffloadingEvent:
-    keys = [OffloadKey(key) for key in event.keys]
+def _vllm_event(event: Event, event_keys: Sequence[object]) -> OffloadingEvent:
+    keys = [OffloadKey(key) for key in event_keys]
     if isinstance(event, BlocksStored):
         return OffloadingEvent(keys=keys, medium=Medium.CPU, removed=False)
     assert isinstance(event, BlocksRemoved)
@@ -319,6 +425,13 @@ def _vllm_event(event: Event) -> OffloadingEvent:
 
 def _manager_for(spec: CPUOffloadingSpec) -> KvoffloadManager:
     extra: dict[str, Any] = dict(spec.extra_config)
+    if spec.num_chunks < 1:
+        raise InvalidArgumentError(
+            f"cpu_bytes_to_use={extra.get('cpu_bytes_to_use')!r} holds no CPU chunk of "
+            f"{spec.kv_bytes_per_chunk} bytes ({spec.blocks_per_chunk} device blocks of "
+            "every layer): give kv_connector_extra_config a larger cpu_bytes_to_use (vLLM's "
+            "own manager would quietly offload nothing)"
+        )
     return KvoffloadManager(
         spec.num_chunks,
         str(extra.get("eviction_policy", DEFAULT_POLICY)),
@@ -331,6 +444,17 @@ def _manager_for(spec: CPUOffloadingSpec) -> KvoffloadManager:
 
 class KvoffloadManagerSpec(CPUOffloadingSpec):
     """kvoffload's manager, vLLM's own CPU worker (its sizing and metrics kept)."""
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """vLLM's CPU manager metrics, and the manager's own (docs/metrics.md)."""
+        declared: dict[str, OffloadingMetricMetadata] = dict(
+            super().build_metric_definitions(extra_config)
+        )
+        declared.update(definitions(MANAGER_METRICS))
+        return declared
 
     def get_manager(self) -> OffloadingManager:
         manager: KvoffloadManager | None = getattr(self, "_kvoffload_manager", None)

@@ -30,9 +30,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -42,6 +46,8 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvoffload.integrations.vllm_metrics import TIER_METRICS, StepReport, definitions
+from kvoffload.metrics import METRICS, Sample, remote_samples
 from kvoffload.tiers import (
     Namespace,
     RemoteJob,
@@ -233,6 +239,7 @@ class KvoffloadValkeyTier(SecondaryTierManager):
             "keys_not_loaded": 0,
         }
         self._shut = threading.Event()
+        self._step_report = StepReport()
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -337,3 +344,25 @@ class KvoffloadValkeyTier(SecondaryTierManager):
         return TierStats(
             **self._counts, transfers=self._store.stats(), lookups=self._lookup_store.stats()
         )
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """The tier's counters on vLLM's ``/metrics`` (docs/metrics.md); its jobs, bytes
+        and chunk hits are vLLM's own tiering metrics."""
+        return definitions(TIER_METRICS)
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Both connections' counters, labelled with the tier type and the connection."""
+        tier = self.tier_type
+        stats = OffloadingConnectorStats()
+        found = [
+            *remote_samples(self._store.stats(), tier, "transfers"),
+            *remote_samples(self._lookup_store.stats(), tier, "lookups"),
+            Sample(
+                METRICS["kvoffload_tier_keys_not_loaded"], (tier,), self._counts["keys_not_loaded"]
+            ),
+        ]
+        self._step_report.add(stats, found)
+        return stats

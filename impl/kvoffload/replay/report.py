@@ -19,6 +19,7 @@ class SimulationReport:
     backend: str  # where the "device" cache lives: cuda or cpu
     requests: int = 0
     block_refs: int = 0
+    first_uses: int = 0  # references to a block never asked for before: no cache can hit
     device_hits: int = 0
     cpu_hits: int = 0
     belady_cpu_hits: int = 0
@@ -54,6 +55,15 @@ class SimulationReport:
 
     def _ratio(self, count: int) -> float:
         return count / self.block_refs if self.block_refs else 0.0
+
+    @property
+    def reusable_ratio(self) -> float:
+        """The hit ratio of an infinite cache: every reference but a block's first."""
+        return self._ratio(self.block_refs - self.first_uses)
+
+    @property
+    def first_use_ratio(self) -> float:
+        return self._ratio(self.first_uses)
 
     @property
     def device_hit_ratio(self) -> float:
@@ -96,6 +106,8 @@ class SimulationReport:
             "block_bytes": self.config.block_bytes,
             "requests": self.requests,
             "block_refs": self.block_refs,
+            "first_uses": self.first_uses,
+            "reusable_ratio": self.reusable_ratio,
             "device_hits": self.device_hits,
             "cpu_hits": self.cpu_hits,
             "misses": self.misses,
@@ -125,53 +137,79 @@ class SimulationReport:
             | ({} if self.remote is None else {"remote": self.remote.to_json(self.block_refs)})
         )
 
-    def summary_rows(self) -> list[tuple[str, str]]:
-        """The summary table, as (label, value) rows."""
+    def engine_description(self) -> str:
         c = self.config
+        where = " (in host memory: no GPU here)" if self.backend == "cpu" else " (GPU)"
+        return (
+            f"{c.gpu_blocks:,} device blocks{where}, {c.cpu_blocks:,} CPU blocks "
+            f"({c.policy}), {format_size(c.block_bytes)} per block"
+        )
+
+    def summary_rows(self) -> list[tuple[str, str, str]]:
+        """The summary table, as (label, value, what it means) rows: where the block
+        references were served, set against what any cache could serve, then the work."""
         every = self.latency.get("all", Latency(0, 0.0, 0.0, 0.0))
+        served = self.device_hits + self.cpu_hits + self.disk_hits + self.remote_hits
+        reusable = self.block_refs - self.first_uses
+        evicted_too_soon = self.miss_ratio - self.first_use_ratio
         return [
+            ("block references", f"{self.block_refs:,}", f"in {self.requests:,} requests"),
             (
-                "engine",
-                f"{c.gpu_blocks:,} device blocks ({self.backend}), {c.cpu_blocks:,} CPU "
-                f"blocks ({c.policy}), {format_size(c.block_bytes)} per block",
+                "reusable at most",
+                f"{self.reusable_ratio:.4f}",
+                f"an infinite cache's hit ratio; the other {self.first_use_ratio:.4f} are "
+                "first uses, which no cache can hit",
             ),
-            ("requests / block refs", f"{self.requests:,} / {self.block_refs:,}"),
-            ("device hit ratio", f"{self.device_hit_ratio:.4f}"),
-            ("CPU hit ratio", f"{self.cpu_hit_ratio:.4f}"),
+            ("device cache hits", f"{self.device_hit_ratio:.4f}", ""),
             (
-                "CPU tier vs Belady",
-                f"{self.cpu_fraction_of_belady:.1%} of the optimum {self.belady_cpu_hit_ratio:.4f}",
+                "CPU tier hits",
+                f"{self.cpu_hit_ratio:.4f}",
+                f"{self.cpu_fraction_of_belady:.1%} of Belady's optimum for "
+                f"{self.config.cpu_blocks:,} CPU blocks ({self.belady_cpu_hit_ratio:.4f})",
             ),
             *([] if self.disk is None else self.disk.summary_rows(self.block_refs)),
             *([] if self.remote is None else self.remote.summary_rows(self.block_refs)),
-            ("miss ratio (recomputed)", f"{self.miss_ratio:.4f}"),
             (
-                "stored",
-                f"{self.blocks_stored:,} blocks, {format_size(self.bytes_stored)}",
+                "recomputed",
+                f"{self.miss_ratio:.4f}",
+                f"{self.first_use_ratio:.4f} first uses + {evicted_too_soon:.4f} evicted "
+                "before their reuse",
             ),
             (
-                "loaded",
-                f"{self.blocks_loaded:,} blocks, {format_size(self.bytes_loaded)}",
+                "served",
+                f"{served / reusable if reusable else 1.0:.1%}",
+                "of the reusable references, from a tier instead of recomputed",
             ),
-            ("transfer", f"{self.transfer_gbps:.2f} GB/s"),
+            ("stored", f"{self.blocks_stored:,}", f"blocks, {format_size(self.bytes_stored)}"),
+            ("loaded", f"{self.blocks_loaded:,}", f"blocks, {format_size(self.bytes_loaded)}"),
             (
-                "manager call latency",
-                f"p50 {every.p50_us:.1f} us, p99 {every.p99_us:.1f} us, max "
-                f"{every.max_us:.0f} us ({every.calls:,} calls)",
+                "copy speed",
+                f"{self.transfer_gbps:.2f} GB/s",
+                "bytes copied over the copy jobs' time, device cache <-> CPU pool (small "
+                "blocks copy slower than large ones)",
             ),
-            ("evictions", f"{self.evictions:,}"),
+            (
+                "manager calls",
+                f"p50 {every.p50_us:.1f} us",
+                f"p99 {every.p99_us:.1f} us, max {every.max_us / 1000:.1f} ms, "
+                f"{every.calls:,} calls (a max of several ms is a pause of the process or "
+                "the machine, such as garbage collection)",
+            ),
+            ("evictions", f"{self.evictions:,}", ""),
             (
                 "rejected stores",
-                f"{self.rejected_stores:,} ({self.fast_fail_rejections:,} fast-fail)",
+                f"{self.rejected_stores:,}",
+                f"{self.fast_fail_rejections:,} of them fast-failed (no room at all)",
             ),
-            ("failed stores", f"{self.failed_stores:,}"),
+            ("failed stores", f"{self.failed_stores:,}", ""),
             (
                 "loads verified",
-                "all byte-exact"
+                "byte-exact" if self.all_loads_verified else "DIFFER",
+                "every loaded block compared with what was stored"
                 if self.all_loads_verified
-                else f"{self.load_mismatches:,} blocks DIFFER from what was stored",
+                else f"{self.load_mismatches:,} blocks differ from what was stored",
             ),
-            ("wall time", f"{self.wall_seconds:.1f} s"),
+            ("wall time", f"{self.wall_seconds:.1f} s", ""),
         ]
 
 
@@ -193,6 +231,7 @@ class RemoteTally:
     bytes_written: int = 0
     not_written: int = 0
     failures: int = 0
+    last_error: str | None = None  # the store's last failure, as it described it
 
     def to_json(self, block_refs: int) -> dict[str, object]:
         return {
@@ -207,30 +246,35 @@ class RemoteTally:
             "bytes_written": self.bytes_written,
             "not_written": self.not_written,
             "failures": self.failures,
+            "last_error": self.last_error,
         }
 
-    def summary_rows(self, block_refs: int) -> list[tuple[str, str]]:
+    def summary_rows(self, block_refs: int) -> list[tuple[str, str, str]]:
         return [
-            ("remote hit ratio", f"{share_of(self.hits, block_refs):.4f}"),
+            ("remote tier hits", f"{share_of(self.hits, block_refs):.4f}", ""),
             (
                 "gained by sharing",
-                f"{share_of(self.shared_hits, block_refs):.4f} (blocks another engine wrote)",
+                f"{share_of(self.shared_hits, block_refs):.4f}",
+                "remote hits on blocks another engine wrote",
             ),
             (
                 "remote traffic",
-                f"{self.blocks_written:,} blocks written ({format_size(self.bytes_written)}), "
+                f"{self.blocks_written:,}",
+                f"blocks written ({format_size(self.bytes_written)}), "
                 f"{self.fetched_blocks:,} fetched ({format_size(self.bytes_fetched)})",
             ),
             (
                 "remote failures",
-                f"{self.failures:,} ({self.not_written:,} writes lost, "
-                f"{self.fetch_misses:,} fetches missed)",
+                f"{self.failures:,}",
+                f"{self.not_written:,} writes lost, {self.fetch_misses:,} fetches missed",
             ),
         ]
 
     def add(self, other: RemoteTally) -> None:
-        for name in vars(self):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name, value in vars(other).items():
+            if isinstance(value, int | float):  # counts, and a disk tally's seconds
+                setattr(self, name, getattr(self, name) + value)
+        self.last_error = other.last_error or self.last_error
 
 
 @dataclass
@@ -262,28 +306,35 @@ class DiskTally(RemoteTally):
             "slots": self.slots,
         }
 
-    def summary_rows(self, block_refs: int) -> list[tuple[str, str]]:
+    def summary_rows(self, block_refs: int) -> list[tuple[str, str, str]]:
         return [
-            ("disk hit ratio", f"{share_of(self.hits, block_refs):.4f}"),
+            (
+                "disk tier hits",
+                f"{share_of(self.hits, block_refs):.4f}",
+                f"{self.blocks_at_start:,} blocks on the disk at the start, "
+                f"{self.blocks_at_end:,} at the end, of {self.slots:,}",
+            ),
             (
                 "disk traffic",
-                f"{self.blocks_written:,} blocks written ({format_size(self.bytes_written)}), "
+                f"{self.blocks_written:,}",
+                f"blocks written ({format_size(self.bytes_written)}), "
                 f"{self.fetched_blocks:,} read ({format_size(self.bytes_fetched)})",
             ),
             (
                 "disk time",
+                f"{self.write_seconds + self.read_seconds:.2f} s",
                 f"{self.write_seconds:.2f} s writing, {self.read_seconds:.2f} s reading",
             ),
             (
-                "disk blocks",
-                f"{self.blocks_at_start:,} at start, {self.blocks_at_end:,} at end, of "
-                f"{self.slots:,}; {self.evictions:,} evicted, {self.rewrites_skipped:,} "
-                "written back unchanged (not rewritten)",
+                "disk evictions",
+                f"{self.evictions:,}",
+                f"{self.rewrites_skipped:,} blocks written back unchanged (not rewritten)",
             ),
             (
-                "disk writes refused",
-                f"{self.not_written:,} ({self.not_admitted:,} not admitted), "
-                f"{self.failures:,} I/O errors, {self.fetch_misses:,} reads missed",
+                "disk failures",
+                f"{self.failures:,}",
+                f"I/O errors; {self.not_written:,} writes refused ({self.not_admitted:,} not "
+                f"admitted), {self.fetch_misses:,} reads missed",
             ),
         ]
 
@@ -307,6 +358,8 @@ class SharedSimulationReport:
     remote_url: str | None
     engines: list[SimulationReport]
     wall_seconds: float = 0.0
+    first_uses: int = 0  # over the whole trace: a block first used by one engine is reusable
+    # by the others only through the remote
 
     @property
     def total(self) -> SimulationReport:
@@ -328,6 +381,7 @@ class SharedSimulationReport:
             if total.disk is not None and report.disk is not None:
                 total.disk.add(report.disk)
         total.wall_seconds = self.wall_seconds
+        total.first_uses = self.first_uses
         return total
 
     @property

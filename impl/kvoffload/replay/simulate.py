@@ -35,7 +35,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvoffload.replay.belady import belady_hits
@@ -58,6 +58,7 @@ from kvoffload_spec.validation import check_count
 __all__ = [
     "BlockContent",
     "Latency",
+    "MemoryPlan",
     "ProgressHook",
     "RemoteTally",
     "SharedSimulationReport",
@@ -65,6 +66,7 @@ __all__ = [
     "SimulationReport",
     "TimedManager",
     "key_seed",
+    "memory_plan",
     "simulate",
     "simulate_shared",
 ]
@@ -93,10 +95,18 @@ class BlockContent:
 
     PATTERN_BYTES = 64 << 20  # at most this much memory for the patterns
 
+    @classmethod
+    def pattern_count(cls, block_bytes: int) -> int:
+        return max(2, min(61, cls.PATTERN_BYTES // block_bytes))
+
+    @classmethod
+    def pattern_bytes(cls, block_bytes: int) -> int:
+        return cls.pattern_count(block_bytes) * block_bytes
+
     def __init__(self, block_bytes: int, device: torch.device) -> None:
         import torch
 
-        count = max(2, min(61, self.PATTERN_BYTES // block_bytes))
+        count = self.pattern_count(block_bytes)
         generator = torch.Generator().manual_seed(0)
         patterns = torch.randint(0, 256, (count, block_bytes), generator=generator)
         self._patterns = patterns.to(dtype=torch.uint8, device=device)
@@ -131,26 +141,34 @@ def simulate(
     trace: Trace,
     config: SimulationConfig,
     on_request: ProgressHook | None = None,
+    on_start: Callable[[MemoryPlan], None] | None = None,
+    metrics_port: int | None = None,
     *,
     disk: DiskTierConfig | None = None,
 ) -> SimulationReport:
-    """Replay ``trace`` (see the module docstring); bad sizes raise before any allocation."""
+    """Replay ``trace`` (see the module docstring); bad sizes raise before any allocation.
+    ``on_start(plan)`` is called once the arguments are checked, before anything is
+    allocated; ``metrics_port``: serve kvoffload's metrics on it while the replay runs."""
     requests = _check(trace, config)
     from kvoffload.manager import OffloadManager
     from kvoffload.policies.loading import resolve_policy
 
     policy = resolve_policy(config.policy)
     device = _device()
-    _check_memory(config, device)  # before the manager, whose arrays grow with the pool
+    plan = _check_memory(config, device)  # before the manager, whose arrays grow with the pool
+    if on_start is not None:
+        on_start(plan)
     disks = _open_disks(disk, trace, config, 1)
     manager = TimedManager(OffloadManager(config.cpu_blocks, policy))
     engine = _Engine(trace.name, config, manager, device, disk=disks[0] if disks else None)
     started = time.perf_counter()
-    with _one_cpu_thread():
+    with _one_cpu_thread(), _serving(metrics_port, [engine]) as refresh:
         for done, request in enumerate(requests, start=1):
             engine.serve(request)
-            if on_request is not None and (done % 64 == 0 or done == len(requests)):
-                on_request(done, len(requests))
+            if done % 64 == 0 or done == len(requests):
+                refresh()
+                if on_request is not None:
+                    on_request(done, len(requests))
     report = engine.finish(time.perf_counter() - started)
     for store in disks:
         store.close()
@@ -202,6 +220,8 @@ def simulate_shared(
     remote_url: str | None,
     remote_mode: RemoteMode = "write-back",
     on_request: ProgressHook | None = None,
+    on_start: Callable[[MemoryPlan], None] | None = None,
+    metrics_port: int | None = None,
     disk: DiskTierConfig | None = None,
 ) -> SharedSimulationReport:
     """``instances`` engines, request ``i`` of ``trace`` served by engine ``i mod instances``,
@@ -220,15 +240,9 @@ def simulate_shared(
 
     policy = resolve_policy(config.policy)
     device = _device()
-    # All the engines' pools and caches at once must fit.
-    _check_memory(
-        replace(
-            config,
-            gpu_blocks=config.gpu_blocks * instances,
-            cpu_blocks=config.cpu_blocks * instances,
-        ),
-        device,
-    )
+    plan = _check_memory(config, device, instances)  # all the engines' pools and caches at once
+    if on_start is not None:
+        on_start(plan)
     stores = []
     if remote_url is not None:
         import uuid
@@ -255,17 +269,34 @@ def simulate_shared(
         for i in range(instances)
     ]
     started = time.perf_counter()
-    with _one_cpu_thread():
+    with _one_cpu_thread(), _serving(metrics_port, engines) as refresh:
         for done, request in enumerate(requests, start=1):
             engines[(done - 1) % instances].serve(request)
-            if on_request is not None and (done % 64 == 0 or done == len(requests)):
-                on_request(done, len(requests))
+            if done % 64 == 0 or done == len(requests):
+                refresh()
+                if on_request is not None:
+                    on_request(done, len(requests))
     wall = time.perf_counter() - started
     reports = [engine.finish(wall) for engine in engines]
     opened: list[RemoteStore] = [*stores, *disks]
     for store in opened:
         store.close()
-    return SharedSimulationReport(trace.name, remote_url, reports, wall)
+    first_uses = len({block for request in requests for block in request})
+    return SharedSimulationReport(trace.name, remote_url, reports, wall, first_uses)
+
+
+@contextmanager
+def _serving(port: int | None, engines: Sequence[_Engine]) -> Iterator[Callable[[], None]]:
+    """kvoffload's metrics of ``engines`` on ``port`` (labelled ``instance`` 0, 1, ...)
+    while the replay runs; yields what reads them anew (in the replay's thread)."""
+    if port is None:
+        yield lambda: None
+        return
+    from kvoffload.metrics import MetricsExporter
+
+    with MetricsExporter({str(i): e.offloader for i, e in enumerate(engines)}) as exporter:
+        exporter.serve(port)
+        yield exporter.refresh
 
 
 @contextmanager
@@ -309,30 +340,73 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _check_memory(config: SimulationConfig, device: torch.device) -> None:
-    """Refuse sizes this machine cannot hold, before allocating anything."""
-    from kvoffload.transfer.pool import machine_memory_bytes
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a replay will allocate, and what the machine has for it now."""
 
-    pool = config.cpu_blocks * config.block_bytes
-    cache = config.gpu_blocks * config.block_bytes
-    host = machine_memory_bytes()
-    needed = pool + (cache if device.type == "cpu" else 0)
-    if needed > host:
+    pool_bytes: int  # the engines' CPU pools
+    device_cache_bytes: int  # their device caches (in host memory without a GPU)
+    content_bytes: int  # the patterns blocks are "computed" from
+    on_host: bool  # whether the device caches are host memory too
+    available_bytes: int  # host memory available now (not the total)
+
+    @property
+    def host_bytes(self) -> int:
+        return (
+            self.pool_bytes + self.content_bytes + (self.device_cache_bytes if self.on_host else 0)
+        )
+
+    def describe(self) -> str:
+        device = f" + device caches {format_size(self.device_cache_bytes)}" + (
+            " (host memory: no GPU)" if self.on_host else " (GPU memory)"
+        )
+        return (
+            f"will use {format_size(self.host_bytes)} of host memory: CPU pools "
+            f"{format_size(self.pool_bytes)}{device} + block contents "
+            f"{format_size(self.content_bytes)}; {format_size(self.available_bytes)} available"
+        )
+
+
+def memory_plan(config: SimulationConfig, instances: int = 1) -> MemoryPlan:
+    """The memory ``instances`` engines of ``config`` take (checked by the replays before
+    they allocate anything, and printed by the CLI before it starts)."""
+    from kvoffload.transfer.pool import available_memory_bytes
+
+    device = _device()
+    return MemoryPlan(
+        pool_bytes=instances * config.cpu_blocks * config.block_bytes,
+        device_cache_bytes=instances * config.gpu_blocks * config.block_bytes,
+        content_bytes=instances * BlockContent.pattern_bytes(config.block_bytes),
+        on_host=device.type == "cpu",
+        available_bytes=available_memory_bytes(),
+    )
+
+
+def _check_memory(config: SimulationConfig, device: torch.device, instances: int = 1) -> MemoryPlan:
+    """Refuse sizes this machine cannot hold now, before allocating anything."""
+    plan = memory_plan(config, instances)
+    if plan.host_bytes > plan.available_bytes:
+        engines = f"{instances} engines x " if instances > 1 else ""
         raise InvalidArgumentError(
-            f"--cpu-blocks {config.cpu_blocks:,} x --block-bytes {config.block_bytes:,} "
-            f"= {format_size(pool)}"
-            + (f" plus the device cache's {format_size(cache)}" if device.type == "cpu" else "")
-            + f" exceeds this machine's memory ({format_size(host)})"
+            f"{engines}(--cpu-blocks {config.cpu_blocks:,}"
+            + (f" + --gpu-blocks {config.gpu_blocks:,}" if plan.on_host else "")
+            + f") x --block-bytes {config.block_bytes:,} = "
+            + f"{format_size(plan.host_bytes)} of host memory exceeds this machine's memory "
+            + f"available now ({format_size(plan.available_bytes)}; "
+            + plan.describe().removeprefix("will use ").split(": ", 1)[1].split(";")[0]
+            + "). Use fewer or smaller blocks"
         )
     if device.type == "cuda":
         import torch
 
         free, _ = torch.cuda.mem_get_info(device)
-        if cache > free:
+        if plan.device_cache_bytes > free:
             raise InvalidArgumentError(
                 f"--gpu-blocks {config.gpu_blocks:,} x --block-bytes {config.block_bytes:,} "
-                f"= {format_size(cache)} exceeds the free device memory ({format_size(free)})"
+                f"= {format_size(plan.device_cache_bytes)} exceeds the free device memory "
+                f"({format_size(free)})"
             )
+    return plan
 
 
 class _Engine:
@@ -379,6 +453,7 @@ class _Engine:
         self.device_cache = DevicePrefixCache(config.gpu_blocks)
         self.content = BlockContent(config.block_bytes, device)
         self.cpu_stream: list[Request] = []
+        self._seen: set[BlockId] = set()  # every block id this engine was asked for
         if disk is not None and self.report.disk is not None:
             self.report.disk.blocks_at_start = disk.stats().blocks
         self._device = device
@@ -387,6 +462,9 @@ class _Engine:
         report = self.report
         report.requests += 1
         report.block_refs += len(request)
+        seen = len(self._seen)
+        self._seen.update(request)
+        report.first_uses += len(self._seen) - seen
         device_hits = self.device_cache.admit(request)
         report.device_hits += device_hits
         cpu_ids = request[device_hits:]
@@ -528,6 +606,9 @@ class _Engine:
             report.disk.evictions = disk.evictions
             report.disk.blocks_at_end = disk.blocks
             report.disk.slots = disk.slots
+            report.disk.last_error = disk.last_error
+        if self.remote is not None and report.remote is not None:
+            report.remote.last_error = self.remote.stats().last_error
         stats = self.manager.inner.stats()
         report.evictions = stats.evictions
         report.rejected_stores = stats.rejected_stores

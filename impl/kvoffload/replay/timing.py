@@ -12,6 +12,7 @@ from kvoffload_spec.surface import Key, LoadPlan, Lookup, Plan, StorePlan
 
 if TYPE_CHECKING:
     from kvoffload.manager import OffloadManager
+    from kvoffload.stats import ManagerStats
 
 
 class TimedManager:
@@ -24,6 +25,9 @@ class TimedManager:
     @property
     def num_blocks(self) -> int:
         return self.inner.num_blocks
+
+    def stats(self) -> ManagerStats:
+        return self.inner.stats()
 
     def _timed(self, name: str, started: int) -> None:
         self.latencies_ns.setdefault(name, []).append(time.perf_counter_ns() - started)

@@ -36,6 +36,25 @@ def machine_memory_bytes() -> int:
     return min(physical, int(text)) if text.isdigit() else physical
 
 
+def available_memory_bytes() -> int:
+    """Memory that can be allocated now without swapping: the kernel's ``MemAvailable``
+    (Linux), or within a container's limit what is left of it; the physical memory where
+    neither can be read."""
+    limit = machine_memory_bytes()
+    try:
+        with open("/proc/meminfo") as info:
+            fields = dict(line.split(":", 1) for line in info if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = limit
+    try:
+        with open("/sys/fs/cgroup/memory.current") as current:
+            used = int(current.read().strip())
+    except (OSError, ValueError):
+        used = 0
+    return max(0, min(available, limit - used))
+
+
 def pool_size(block_bytes: int, num_blocks: int | None, budget_bytes: int | None) -> int:
     """The number of CPU blocks: ``num_blocks``, or as many as ``budget_bytes`` holds."""
     check_count("block_bytes", block_bytes)

@@ -1,0 +1,94 @@
+"""Planted bugs in a remote store: a ``get_into`` that takes a valid value of another size
+than the caller's buffer. The contract's size checks (tests/store_contract.py) must find
+each; every other part of the store is the real one.
+
+Each reads through the store's own ``get`` (every value there is valid: namespace, key,
+length and checksum checked), so the only slip is the one planted: which sizes it copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from kvoffload.tiers import ValkeyStore
+from kvoffload.tiers.store import WritableBuffer
+from kvoffload_spec.errors import InvalidArgumentError
+
+
+def _targets(buffers: Sequence[WritableBuffer], count: int) -> list[memoryview]:
+    if len(buffers) != count:
+        raise InvalidArgumentError(f"{count} keys and {len(buffers)} buffers")
+    views = [memoryview(buffer).cast("B") for buffer in buffers]
+    if any(view.readonly for view in views):
+        raise InvalidArgumentError("a read-only buffer")
+    return views
+
+
+class CopiesAShorterPayload(ValkeyStore):
+    """get_into copies a valid payload shorter than the buffer into the buffer's first
+    bytes and reports success: the rest of the buffer keeps stale bytes."""
+
+    def get_into(self, keys: Sequence[Hashable], buffers: Sequence[WritableBuffer]) -> list[bool]:
+        found = self.get(keys)
+        done = []
+        for value, target in zip(found, _targets(buffers, len(found)), strict=True):
+            fits = value is not None and value.nbytes <= target.nbytes
+            if value is not None and fits:
+                target[: value.nbytes] = value
+            done.append(fits)
+        return done
+
+
+class CopiesALongerPayloadsPrefix(ValkeyStore):
+    """get_into copies as much of a valid payload longer than the buffer as fits and
+    reports success: the buffer holds another layout's bytes, cut short."""
+
+    def get_into(self, keys: Sequence[Hashable], buffers: Sequence[WritableBuffer]) -> list[bool]:
+        found = self.get(keys)
+        done = []
+        for value, target in zip(found, _targets(buffers, len(found)), strict=True):
+            fits = value is not None and value.nbytes >= target.nbytes
+            if value is not None and fits:
+                target[:] = value[: target.nbytes]
+            done.append(fits)
+        return done
+
+
+class SizesABatchByItsFirstBuffer(ValkeyStore):
+    """get_into compares every value with the batch's first buffer (a pool's buffers are
+    all one size): in a batch of buffers of several sizes, a value of the first one's size
+    is copied, cut or short, into a buffer of another and reported done."""
+
+    def get_into(self, keys: Sequence[Hashable], buffers: Sequence[WritableBuffer]) -> list[bool]:
+        found = self.get(keys)
+        targets = _targets(buffers, len(found))
+        done = []
+        for value, target in zip(found, targets, strict=True):
+            fits = value is not None and value.nbytes == targets[0].nbytes
+            if value is not None and fits:
+                size = min(value.nbytes, target.nbytes)
+                target[:size] = value[:size]
+            done.append(fits)
+        return done
+
+
+@dataclass(frozen=True)
+class PlantedStore:
+    """A broken store class, and the checks of tests/store_contract.py's ``CONTRACT`` that
+    must each refute it (by name)."""
+
+    store_class: type[ValkeyStore]
+    caught_by: tuple[str, ...]
+
+
+SIZE_CHECKS = (
+    "check_get_into_copies_a_value_only_into_a_buffer_of_its_size",
+    "check_get_into_on_any_mixed_batch",
+)
+
+PLANTED_STORES = (
+    PlantedStore(CopiesAShorterPayload, SIZE_CHECKS),
+    PlantedStore(CopiesALongerPayloadsPrefix, SIZE_CHECKS),
+    PlantedStore(SizesABatchByItsFirstBuffer, SIZE_CHECKS),
+)
