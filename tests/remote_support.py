@@ -12,7 +12,7 @@ import torch
 
 from kvoffload import Offloader
 from kvoffload.offloader import Finished, RemoteOffloadStats
-from kvoffload.tiers import RemoteStats, ValkeyStore
+from kvoffload.tiers import RemoteStats, RemoteStore, ValkeyStore
 from kvoffload_spec.surface import Lookup, StorePlan
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class Engine:
 
     def __init__(
         self,
-        store: ValkeyStore | None,
+        store: RemoteStore | None,
         cpu_blocks: int = 2,
         cls: type[Offloader] = Offloader,
         **options: object,

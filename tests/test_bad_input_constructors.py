@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kvoffload import Offloader
 from kvoffload.manager import OffloadManager
 from kvoffload.policies.base import EvictionPolicy
+from kvoffload.policies.loading import BUILTIN_POLICIES
 from kvoffload.transfer import CpuBlockPool, KVLayout, PoolTooLargeError, TransferEngine
 from kvoffload_spec import OffloadModel
 from kvoffload_spec.errors import InvalidArgumentError, OffloadError, UnknownPolicyError
@@ -110,7 +111,7 @@ VALID_CACHE = _ValidCache()
 def constructor_cases() -> dict[str, tuple[type[OffloadError], st.SearchStrategy[Call]]]:
     huge = st.integers(2**50, 2**62)
     policies = st.one_of(
-        st.text(max_size=4).filter(lambda text: ":" not in text and text not in ("lru", "arc")),
+        st.text(max_size=4).filter(lambda text: ":" not in text and text not in BUILTIN_POLICIES),
         st.sampled_from(
             [
                 "no.such.module:Policy",

@@ -277,3 +277,26 @@ def test_the_vllm_comparison_writes_its_rows_and_the_floor(tmp_path: Path) -> No
             assert vllm_by_policy[policy] == theirs[0]
             assert ceiling[policy] == pytest.approx(theirs[0] / floor_s)
     assert [row["policy"] for row in listed(printed, "one_victim")] == ["lru", "arc"]
+
+
+@pytest.mark.slow  # the disk benchmark's quick run on real files, ~8 s
+def test_the_disk_benchmark_writes_what_it_prints(tmp_path: Path) -> None:
+    printed = run_quick("disk_bench.py", tmp_path / "disk.json", timeout=180)
+    assert printed["benchmark"] == "disk" and printed["quick"] is True
+    throughput = listed(printed, "throughput")
+    assert {(r["format"], r["operation"], r["block_bytes"]) for r in throughput} >= {
+        ("plain", operation, size) for operation in ("put", "get") for size in (64 << 10, 2 << 20)
+    }
+    for row in throughput:
+        ratio, bound = assert_positive_numbers(
+            row, "store_gbps", "plain_gbps", "ratio", "checksum_bound"
+        )[2:]
+        assert bound < 1
+        if row["format"] == "plain":
+            assert row["target"] == 0.8 and row["met"] is (ratio >= 0.8)
+    assert printed["targets_met"] is all(r["met"] for r in throughput if r["met"] is not None)
+    for row in listed(printed, "reopen"):
+        assert_positive_numbers(row, "seconds", "seconds_per_gib")
+    opened = printed["open_1m"]
+    assert isinstance(opened, dict)
+    assert_positive_numbers(opened, "seconds", "ram_bytes_per_block")

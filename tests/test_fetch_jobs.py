@@ -80,8 +80,8 @@ def jittered(engine: Engine, seed: int) -> None:
     offloader = engine.offloader
     jitter = Jitter(seed)
     jitter.install(offloader)
-    remote = offloader._remote
-    assert remote is not None
+    assert offloader._tiers is not None
+    remote = offloader._tiers.workers[0]  # its store asks the tiers in order
     remote.store = JitteryStore(remote.store, jitter)
 
 
@@ -103,7 +103,8 @@ class Run:
         offloader = self.engine.offloader
         plans = offloader.fetch(self.keys)
         assert [plan.keys for plan in plans] == [(key,) for key in self.keys]
-        (job,) = {id(job): job for job in offloader._fetch_of.values()}.values()
+        assert offloader._tiers is not None
+        (job,) = offloader._tiers.fetch_jobs()
         assert self.engine.stats().in_flight == 1  # one job for them all
         for index in sorted(self.case.abandoned):
             offloader.abandon(plans[index])

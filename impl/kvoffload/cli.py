@@ -24,6 +24,8 @@ from kvoffload import cli_output as output
 from kvoffload_spec.errors import InvalidArgumentError, OffloadError
 
 if TYPE_CHECKING:
+    from kvoffload.replay.config import DiskTierConfig
+    from kvoffload.replay.report import SimulationReport
     from kvoffload.replay.simulate import MemoryPlan, SimulationConfig
     from kvoffload.replay.sweep import SweepResult
     from kvoffload.replay.traces import Trace
@@ -36,7 +38,12 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a Unix tool killed by a closed pip
 
 # An option that does nothing without another (given on the command line while the other
 # is set nowhere) is refused rather than quietly ignored.
-NEEDS = {"remote_mode": "remote", "remote_secret_file": "remote"}
+NEEDS = {
+    "remote_mode": "remote",
+    "remote_secret_file": "remote",
+    "disk_bytes": "disk",
+    "disk_admission": "disk",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -210,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --remote: write each block the CPU pool evicts (write-back), or each "
         "block once stored (write-through) (default: %(default)s)",
     )
+    _add_disk_arguments(simulate)
     simulate.add_argument(
         "--metrics-port",
         type=kinds.port,
@@ -317,6 +325,43 @@ def _version() -> str:
 # -- the commands ---------------------------------------------------------------------------
 
 
+def _add_disk_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--disk",
+        default=None,
+        metavar="PATH",
+        help="a disk tier behind every engine's CPU pool (and in front of --remote), in the "
+        "directory PATH (engine i of several: PATH/engine-i); made if new, reopened with "
+        "its blocks if it holds this trace's (default: none)",
+    )
+    parser.add_argument(
+        "--disk-bytes",
+        type=kinds.byte_size,
+        default=DEFAULT_DISK_BYTES,
+        metavar="SIZE",
+        help="with --disk: the disk tier's capacity per engine, e.g. 512MiB, 4GiB (default: 4GiB)",
+    )
+    parser.add_argument(
+        "--disk-admission",
+        choices=("second-offer", "every-offer"),
+        default="second-offer",
+        help="with --disk: write a block to the disk on its second offer (a cold scan "
+        "cannot flush the disk) or on every one (default: %(default)s)",
+    )
+
+
+DEFAULT_DISK_BYTES = 4 << 30
+
+
+def _disk_tier(args: argparse.Namespace) -> DiskTierConfig | None:
+    """The ``DiskTierConfig`` the disk options ask for, or None."""
+    if args.disk is None:
+        return None
+    from kvoffload.replay.config import DiskTierConfig
+
+    return DiskTierConfig(args.disk, capacity_bytes=args.disk_bytes, admission=args.disk_admission)
+
+
 def _run_simulate(args: argparse.Namespace) -> int:
     from kvoffload.replay.simulate import SimulationConfig, simulate
     from kvoffload.replay.traces import resolve_trace
@@ -331,11 +376,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
     )
     from kvoffload.policies.base import PolicyContractError
 
+    disk = _disk_tier(args)
     if args.metrics_port is not None:
         where = f"http://127.0.0.1:{args.metrics_port}/metrics"
         print(f"kvoffload simulate: metrics on {where} while it runs", file=sys.stderr)
     if args.remote is not None or args.instances > 1:
-        return _run_simulate_shared(args, trace, config)
+        return _run_simulate_shared(args, trace, config, disk)
     console = output.console(stderr=True)
     try:
         with output.progress(console, enabled=not args.json) as progress:
@@ -344,6 +390,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 trace,
                 config,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
+                disk=disk,
                 on_start=_announce_memory,
                 metrics_port=args.metrics_port,
             )
@@ -356,7 +403,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.json:
         output.print_json(report.to_json())
     else:
-        output.show_simulation(trace, report)
+        output.show_simulation(trace, report, disk=args.disk)
+    _warn_tier_failures(args, report)
     if not report.all_loads_verified:
         return _fail(args, f"{report.load_mismatches} loaded blocks differ from what was stored")
     return EXIT_OK
@@ -463,7 +511,9 @@ def _run_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if report.passed else EXIT_ERROR
 
 
-def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: SimulationConfig) -> int:
+def _run_simulate_shared(
+    args: argparse.Namespace, trace: Trace, config: SimulationConfig, disk: DiskTierConfig | None
+) -> int:
     from kvoffload.policies.base import PolicyContractError
     from kvoffload.replay.simulate import simulate_shared
 
@@ -487,6 +537,7 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
                 remote_url=args.remote,
                 remote_mode=args.remote_mode,
                 remote_secret=secret,
+                disk=disk,
                 on_request=lambda done, total: progress.update(task, completed=done, total=total),
                 on_start=_announce_memory,
                 metrics_port=args.metrics_port,
@@ -500,14 +551,8 @@ def _run_simulate_shared(args: argparse.Namespace, trace: Trace, config: Simulat
     if args.json:
         output.print_json(shared.to_json())
     else:
-        output.show_shared_simulation(trace, shared, shared.remote_url)
-    tally = shared.total.remote
-    if tally is not None and tally.failures:
-        _warn(
-            args,
-            f"the remote tier failed {tally.failures:,} times (last: {tally.last_error}); "
-            "those blocks were recomputed",
-        )
+        output.show_shared_simulation(trace, shared, shared.remote_url, args.disk)
+    _warn_tier_failures(args, shared.total)
     if not shared.all_loads_verified:
         wrong = sum(report.load_mismatches for report in shared.engines)
         return _fail(args, f"{wrong} loaded blocks differ from what was stored")
@@ -556,6 +601,16 @@ def _check_remote_answers(url: str) -> None:
                 f"kvoffload simulate: warning: the remote tier does not answer "
                 f"({probe.stats().last_error}); the run goes on without it",
                 file=sys.stderr,
+            )
+
+
+def _warn_tier_failures(args: argparse.Namespace, report: SimulationReport) -> None:
+    for name, tally in (("disk", report.disk), ("remote", report.remote)):
+        if tally is not None and tally.failures:
+            _warn(
+                args,
+                f"the {name} tier failed {tally.failures:,} times (last: {tally.last_error}); "
+                "those blocks were recomputed",
             )
 
 

@@ -112,7 +112,7 @@ def table(
 
 
 def show_shared_simulation(
-    trace: Trace, shared: SharedSimulationReport, remote: str | None
+    trace: Trace, shared: SharedSimulationReport, remote: str | None, disk: str | None = None
 ) -> None:
     """One row per engine and one for them all; what they share is said once, above."""
     total = shared.total
@@ -120,17 +120,19 @@ def show_shared_simulation(
     if remote is not None and shared.remote_sealed:
         remote += " (values sealed with the tenant secret)"
     if engines == 1:  # one engine and a remote: its summary says it all
-        show_simulation(trace, total, remote)
+        show_simulation(trace, total, remote, disk)
         return
     where = f"sharing the remote tier {remote}" if remote else "with no remote tier"
+    where += f", each with a disk tier in {disk}/engine-i" if disk else ""
+    columns = [c for c in _ENGINE_COLUMNS if total.disk is not None or c[0] != "disk hits"]
     table(
         f"kvoffload simulate: {trace.name}, {total.requests:,} requests over {engines} "
         f"engine{'s' if engines != 1 else ''} {where}\neach engine: "
         f"{shared.engines[0].engine_description()}\nreusable at most (an infinite cache): "
         f"{total.reusable_ratio:.4f} of {total.block_refs:,} block references",
-        [column for column, _ in _ENGINE_COLUMNS],
+        [column for column, _ in columns],
         [
-            (name, *(cell(report) for _, cell in _ENGINE_COLUMNS[1:]))
+            (name, *(cell(report) for _, cell in columns[1:]))
             for name, report in [
                 *((f"engine {i}", report) for i, report in enumerate(shared.engines)),
                 ("all engines", total),
@@ -148,6 +150,7 @@ _ENGINE_COLUMNS: list[tuple[str, Callable[[SimulationReport], str]]] = [
     ("requests", lambda report: f"{report.requests:,}"),
     ("device hits", lambda report: f"{report.device_hit_ratio:.4f}"),
     ("CPU hits", lambda report: f"{report.cpu_hit_ratio:.4f}"),
+    ("disk hits", lambda report: f"{report.disk_hits / report.block_refs:.4f}"),
     (
         "remote hits",
         lambda report: _remote_cell(report, lambda r: f"{r.hits / report.block_refs:.4f}"),
@@ -167,8 +170,10 @@ _ENGINE_COLUMNS: list[tuple[str, Callable[[SimulationReport], str]]] = [
 ]
 
 
-def show_simulation(trace: Trace, report: SimulationReport, remote: str | None = None) -> None:
-    behind = f", remote tier {remote}" if remote else ""
+def show_simulation(
+    trace: Trace, report: SimulationReport, remote: str | None = None, disk: str | None = None
+) -> None:
+    behind = (f", disk tier {disk}" if disk else "") + (f", remote tier {remote}" if remote else "")
     table(
         f"kvoffload simulate: {trace.name}\n{report.engine_description()}{behind}",
         ["", "value", ""],

@@ -277,6 +277,7 @@ REMOTE_OFFLOAD_FIELDS_LEFT_OUT = {
     "fetch_calls": "calls, the keys are counted",
     "fetch_keys": "hits + misses (once reported)",
     "write_keys": "written + not_written (once reported)",
+    "promoted": "of write_keys: blocks a lower tier served, written up (tier_stats() has them)",
     "store": "the store's own RemoteStats",
 }
 

@@ -7,10 +7,12 @@ flight before the manager forgets the pool, so no old copy can land in a reused 
 that seems never to finish can be ``abandon``-ed: the manager releases what its plan held
 without reusing a block id the job may still write (see docs/reliability.md).
 
-With ``remote=`` (a :class:`~kvoffload.tiers.RemoteStore`), a tier behind the pool: blocks
-the pool evicts are written to it (write-back; or every stored block, write-through), and
-``fetch`` reads absent keys from it into CPU blocks, as store plans that ``poll`` reports. The
-server is called on a worker thread only (docs/remote.md, "The Offloader's remote tier").
+With ``tiers=[...]`` (:class:`~kvoffload.tiers.RemoteStore` s: a ``DiskStore``, a
+``ValkeyStore``; ``remote=store`` is ``tiers=[store]``), tiers behind the pool, in order:
+blocks the pool evicts are written to them (write-back; or every stored block,
+write-through), and ``fetch`` reads absent keys from the first tier that has them into CPU
+blocks, as store plans that ``poll`` reports (:mod:`kvoffload.tier_path`). The tiers are
+called on worker threads only (docs/remote.md, docs/disk.md).
 
 Every method may be called from any thread: one lock serializes them, so an engine's
 scheduler thread and the thread that polls may share an offloader. See docs/integration.md.
@@ -24,8 +26,17 @@ import weakref
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from kvoffload.tier_path import (
+    REMOTE_MODES,
+    NoRemoteTierError,
+    RemoteMode,
+    RemoteOffloadStats,
+    TierPath,
+    check_tiers,
+    stop_workers,
+)
 from kvoffload.transfer.engine import (
     TransferEngine,
     TransferTimeoutError,
@@ -45,46 +56,19 @@ if TYPE_CHECKING:
 
     from kvoffload.policies.base import EvictionPolicy
     from kvoffload.stats import TransferStats
-    from kvoffload.tiers import RemoteJob, RemoteStats, RemoteStore, RemoteTier
+    from kvoffload.tiers import RemoteJob, RemoteStore
     from kvoffload.transfer.engine import BlockIds
 
-RemoteMode = Literal["write-back", "write-through"]
-REMOTE_MODES: tuple[RemoteMode, ...] = ("write-back", "write-through")
-
-
-class NoRemoteTierError(InvalidArgumentError):
-    """``fetch`` was called on an offloader made without ``remote=``."""
-
-
-@dataclass(frozen=True)
-class RemoteOffloadStats:
-    """What an offloader did with its remote tier (a snapshot), and its store's counters.
-
-    Keys fetched: ``fetch_hits + fetch_misses == fetch_keys`` once every fetch reported (a
-    miss: the server had no valid value, was down or slow, or the queue was full). Keys
-    written: ``written + not_written == write_keys`` once every write reported.
-    """
-
-    mode: RemoteMode
-    fetch_calls: int = 0
-    fetch_keys: int = 0  # keys sent to the remote (absent locally, and a CPU block found)
-    fetch_hits: int = 0  # accepted: the CPU block holds the exact bytes, the key is ready
-    fetch_misses: int = 0
-    fetch_bytes: int = 0
-    fetch_skipped: int = 0  # asked for, but resident or pending here already: not sent
-    fetch_no_room: int = 0  # asked for, but no CPU block could be freed for it
-    write_keys: int = 0  # evicted (write-back) or stored (write-through) keys submitted
-    written: int = 0  # acknowledged by the server
-    not_written: int = 0  # failed, timed out, or dropped (the queue was full)
-    written_bytes: int = 0
-    jobs_dropped: int = 0  # remote jobs that found the queue full
-    in_flight: int = 0  # remote jobs not reported yet
-    store: RemoteStats | None = None  # the store's own counters (failures, timeouts, ...)
-
-    @property
-    def failures(self) -> int:
-        """Server failures the store met (timeouts, connection errors, error replies)."""
-        return 0 if self.store is None else self.store.failures
+# Defined with the tier path; importable from here as they always were.
+__all__ = [
+    "REMOTE_MODES",
+    "Finished",
+    "NoRemoteTierError",
+    "Offloader",
+    "PlanAges",
+    "RemoteMode",
+    "RemoteOffloadStats",
+]
 
 
 @runtime_checkable
@@ -102,14 +86,16 @@ class Finished:
     ``abandoned``: the plan was abandoned before its job finished (late). Its keys were
     dropped (a store) or its pins released (a load) at ``abandon``; from now on the job can
     no longer touch its device blocks, which may be reused.
-    ``fetched``: the plan is a ``fetch`` from the remote tier (a store plan whose job read
-    the remote, not the device); ``ok`` says whether the key is ready now.
+    ``fetched``: the plan is a ``fetch`` from the tiers (a store plan whose job read a
+    tier, not the device); ``ok`` says whether the key is ready now, ``tier`` which tier
+    (its index in ``tiers``) served it: None for a copy job or a fetch no tier served.
     """
 
     plan: Plan
     result: JobResult
     abandoned: bool = False
     fetched: bool = False
+    tier: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -132,11 +118,13 @@ class Offloader:
     ``stats()``) counts a plan in flight as stalled; its age is the manager's (by the
     manager's clock) where the manager keeps ages, as ``OffloadManager`` does.
 
-    ``remote``: a remote store behind the pool (None: none, nothing else changes).
-    ``remote_mode``: ``"write-back"`` writes each block the pool evicts, with the bytes it
-    held when it was evicted; ``"write-through"`` writes each block once its store
-    succeeded (and nothing at eviction). ``remote_max_pending``: remote jobs queued at most
-    (a job that finds the queue full is dropped and counted, never waited for).
+    ``tiers``: stores behind the pool, in order (a ``DiskStore``, then a ``ValkeyStore``,
+    say); ``remote``: one store, the same as ``tiers=[remote]`` (None and None: no tier,
+    nothing else changes). ``remote_mode``: ``"write-back"`` writes each block the pool
+    evicts to every tier, with the bytes it held when it was evicted; ``"write-through"``
+    writes each block once its store succeeded (and nothing at eviction).
+    ``remote_max_pending``: jobs queued at most per tier (a job that finds the queue full
+    is dropped and counted, never waited for).
     """
 
     def __init__(
@@ -155,9 +143,10 @@ class Offloader:
         remote: RemoteStore | None = None,
         remote_mode: RemoteMode = "write-back",
         remote_max_pending: int = 64,
+        tiers: Sequence[RemoteStore] | None = None,
     ) -> None:
         self._stall_after = check_seconds("stall_after", stall_after)
-        _check_remote(remote, remote_mode, remote_max_pending)
+        stores = check_tiers(remote, tiers, remote_mode, remote_max_pending)
         if manager is not None and not isinstance(manager, ManagerOperations):
             raise InvalidArgumentError(
                 f"manager must be an OffloadManager (or have its methods), got {manager!r}"
@@ -205,23 +194,18 @@ class Offloader:
         # offloader's: job id -> time.monotonic() at submission, in flight.
         self._ages: PlanAges | None = manager if isinstance(manager, PlanAges) else None
         self._submitted_at: dict[int, float] = {}
-        # The remote tier's jobs, which the transfer engine does not know:
-        self._remote_mode: RemoteMode = remote_mode
-        self._remote: RemoteTier | None = None
-        self._fetch_of: dict[int, RemoteJob] = {}  # fetch plan id -> its job, in flight
-        self._fetch_plans: dict[int, list[StorePlan]] = {}  # remote job id -> its plans
-        self._fetch_started: dict[int, float] = {}  # fetch plan id -> time.monotonic()
-        self._puts: dict[int, RemoteJob] = {}  # remote job id -> write job, in flight
-        self._remote_counts: Counter[str] = Counter()
+        # The tiers' jobs, which the transfer engine does not know:
+        self._tiers: TierPath | None = None
+        if stores:
+            self._tiers = TierPath(
+                stores, self.engine.pool, mode=remote_mode, max_pending=remote_max_pending
+            )
+            # Dropped without close(): the workers are stopped all the same (each holds its
+            # tier, the tier its store; once they end, the stores' own finalizers close
+            # their sockets and files).
+            weakref.finalize(self, stop_workers, list(self._tiers.workers))
         self._transfer_counts: Counter[str] = Counter()  # TransferStats' fields
         self._transfer_seconds: defaultdict[str, float] = defaultdict(float)
-        if remote is not None:
-            from kvoffload.tiers.background import RemoteTier
-
-            self._remote = RemoteTier(remote, max_pending=remote_max_pending)
-            # Dropped without close(): the worker is stopped all the same (it holds the tier,
-            # the tier the store; once it ends, the store's own finalizer closes its socket).
-            self._stop_remote = weakref.finalize(self, self._remote.close)
 
     @property
     def block_size_factor(self) -> int:
@@ -230,7 +214,7 @@ class Offloader:
     @property
     def num_in_flight(self) -> int:
         """Plans submitted (fetches too) whose jobs ``poll`` has not reported yet."""
-        return len(self._plans) + len(self._fetch_of)
+        return len(self._plans) + (0 if self._tiers is None else self._tiers.fetch_count())
 
     def lookup(self, key: Key) -> Lookup:
         with self._lock:
@@ -255,7 +239,8 @@ class Offloader:
         self.engine.require_open()
         keys = check_keys(keys)
         device = self._device_ids(device_block_ids, len(keys))
-        self._check_remote_keys(keys)
+        if self._tiers is not None:
+            self._tiers.check_keys(keys)
         plan = self.manager.prepare_store(keys)
         if plan is None:
             return None
@@ -312,13 +297,22 @@ class Offloader:
             self._count_transfer(result, abandoned)
             if isinstance(plan, StorePlan):
                 self.manager.complete_store(plan, success=result.ok)
-                if result.ok and not abandoned and self._remote_mode == "write-through":
-                    self._write_through(plan)
+                if result.ok and not abandoned and self._tiers is not None:
+                    self._tiers.write_through(self.manager, plan)
             else:
                 self.manager.complete_load(plan)
             finished.append(Finished(plan, result, abandoned))
-        if self._remote is not None:
-            finished += self._poll_remote(self._remote)
+        if self._tiers is not None:
+            finished += [
+                Finished(
+                    done.plan,
+                    done.result,
+                    done.abandoned,
+                    True,
+                    done.tier if done.tier >= 0 else None,
+                )
+                for done in self._tiers.poll(self.manager, self._complete_fetch)
+            ]
         return finished
 
     def wait(self, plans: Sequence[Plan] | None = None, timeout: float | None = None) -> bool:
@@ -330,9 +324,9 @@ class Offloader:
         if plans is not None and not isinstance(plans, (list, tuple)):
             raise InvalidArgumentError(f"plans must be a list of plans, got {plans!r}")
         with self._lock:
-            if plans is None:  # remote writes too: they are in flight as well
+            if plans is None:  # the tiers' writes too: they are in flight as well
                 jobs = self._unabandoned()
-                fetches = self._unabandoned_fetches() + list(self._puts.values())
+                fetches = self._unabandoned_fetches() + self._tier_writes()
             else:
                 jobs, fetches = [], []
                 for plan in plans:
@@ -371,13 +365,9 @@ class Offloader:
         with self._lock:
             if self._ages is None:
                 cutoff = time.monotonic() - age
-                fetches: list[tuple[float, Plan]] = [
-                    (started, plan)
-                    for job in self._fetch_plans.values()
-                    for plan in job
-                    if (started := self._fetch_started[plan.plan_id]) <= cutoff
-                    and not self.manager.is_abandoned(plan)
-                ]
+                fetches: list[tuple[float, Plan]] = (
+                    [] if self._tiers is None else list(self._tiers.stalled(self.manager, cutoff))
+                )
                 copies = [
                     (submitted, self._plans[job])
                     for job, submitted in self._submitted_at.items()
@@ -389,7 +379,7 @@ class Offloader:
             return [
                 plan
                 for plan in self._ages.stalled_plans(age)
-                if (plan.plan_id in self._job_of or plan.plan_id in self._fetch_of)
+                if (plan.plan_id in self._job_of or self._is_fetch(plan.plan_id))
                 and not self.manager.is_abandoned(plan)
             ]
 
@@ -407,7 +397,8 @@ class Offloader:
             if fetch is None:
                 mine = self._plans[self._job(plan)]
             else:
-                mine = next(held for held in self._fetch_plans[fetch.job_id] if held == plan)
+                assert self._tiers is not None and isinstance(plan, StorePlan)
+                mine = self._tiers.held(fetch, plan)
             # Asked of the plan held here: the caller's may be another manager's equal twin.
             if self.manager.is_abandoned(mine):
                 raise PlanAlreadyAbandonedError(f"{plan!r} was abandoned already")
@@ -438,17 +429,16 @@ class Offloader:
         changed nothing, if the jobs did not finish within ``timeout`` seconds.
         """
         with self._lock:
-            fetches = list({id(job): job for job in self._fetch_of.values()}.values())
+            fetches = [] if self._tiers is None else self._tiers.fetch_jobs()
             if not self._wait_all(list(self._plans), fetches, timeout):
                 raise TransferTimeoutError(
                     f"jobs in flight did not finish within {timeout} s: the offloader is "
                     "still open (a job that never ends keeps the pool alive)"
                 )
-            if self._remote is not None:
+            if self._tiers is not None:
                 # Writes hold copies of their own, not the pool: let them go out (each
-                # bounded by the store's timeout), then stop the worker.
-                self._wait_all([], list(self._puts.values()), timeout)
-                self._stop_remote()
+                # bounded by the store's timeout), then stop the workers.
+                self._tiers.close(lambda writes: self._wait_all([], writes, timeout))
             self._poll()
             self.engine.close()
 
@@ -458,85 +448,40 @@ class Offloader:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- the remote tier -------------------------------------------------------------------
+    # -- the tiers -------------------------------------------------------------------------
 
     def fetch(self, keys: Sequence[Key]) -> list[StorePlan]:
-        """Start reading the absent ``keys`` from the remote tier into CPU blocks; returns at
-        once, with one store plan per key sent (keys resident or pending here are skipped;
-        the keys after the first one no CPU block can be freed for are not sent).
+        """Start reading the absent ``keys`` from the tiers into CPU blocks; returns at once,
+        with one store plan per key sent (keys resident or pending here are skipped; the keys
+        after the first one no CPU block can be freed for are not sent).
 
         Each key is pending until ``poll`` reports its plan (``Finished.fetched``): ready
-        if the remote held a valid value (``ok``), absent again otherwise. A server down or
-        slow is a miss, counted in ``remote_stats()``, never an exception. Raises
-        ``NoRemoteTierError`` without ``remote=``, ``InvalidArgumentError`` for bad keys,
-        before anything changed.
+        if a tier held a valid value (``ok``; ``tier`` says which), absent again otherwise.
+        The tiers are asked in order, each for what the ones before it did not have; a
+        block a lower tier served is written to the tiers above it. A tier down, slow or
+        failing is a miss, counted in ``remote_stats()``, never an exception. Raises
+        ``NoRemoteTierError`` without tiers, ``InvalidArgumentError`` for bad keys, before
+        anything changed.
         """
         with self._lock:
             self.engine.require_open()
-            if self._remote is None:
-                raise NoRemoteTierError("this offloader has no remote tier: pass remote=")
+            if self._tiers is None:
+                raise NoRemoteTierError("this offloader has no tier: pass tiers= or remote=")
             keys = check_keys(keys)
-            self._check_remote_keys(keys)
-            self._remote_counts["fetch_calls"] += 1
-            plans: list[StorePlan] = []
-            try:
-                for key in dict.fromkeys(keys):
-                    if self.manager.lookup(key) is not Lookup.MISS:
-                        self._remote_counts["fetch_skipped"] += 1
-                        continue
-                    plan = self.manager.prepare_store([key])
-                    if plan is None:
-                        self._remote_counts["fetch_no_room"] += 1
-                        break
-                    if not plan.keys:  # a store_threshold not reached yet: nothing to fetch
-                        self.manager.complete_store(plan, success=False)
-                        continue
-                    plans.append(plan)
-                    self._check_fetch_plan(plan)
-                if plans:  # one job writes them all: no block id twice
-                    ids = [plan.block_ids[0] for plan in plans]
-                    pool_blocks = self.engine.pool.num_blocks
-                    require_distinct(
-                        "cpu_block_ids", as_block_ids("cpu_block_ids", ids, pool_blocks)
-                    )
-            except BaseException:
-                # A manager of the caller's planned a bad block id: nothing is sent, and
-                # every plan made so far ends, or its key would stay pending for ever.
-                try:
-                    self._write_back(plans)  # their victims' bytes: nothing wrote them yet
-                finally:
-                    for plan in plans:
-                        self.manager.complete_store(plan, success=False)
-                raise
-            if plans:
-                # The victims of them all in one write, queued (and copied) before the
-                # fetch that may write their block ids.
-                self._write_back(plans)
-                rows = self.engine.pool.tensor.numpy()
-                buffers = [memoryview(rows[plan.block_ids[0]]) for plan in plans]
-                job = self._remote.submit_get([plan.keys[0] for plan in plans], buffers)
-                self._fetch_plans[job.job_id] = plans
-                started = time.monotonic()
-                for plan in plans:
-                    self._fetch_of[plan.plan_id] = job
-                    self._fetch_started[plan.plan_id] = started
-                self._remote_counts["fetch_keys"] += len(plans)
-            return plans
+            self._tiers.check_keys(keys)
+            return self._tiers.fetch(self.manager, keys, self._write_back)
 
     def remote_stats(self) -> RemoteOffloadStats | None:
-        """The remote tier's counters (None without ``remote=``)."""
+        """The tiers' counters as one (None without tiers): with one tier, that tier's,
+        its store's counters included; with more, a key fetched counts once, a hit if
+        some tier served it, and the writes add up (``tier_stats`` has each tier's)."""
         with self._lock:
-            if self._remote is None:
-                return None
-            tier = self._remote.stats()
-            in_flight = len(self._fetch_plans) + len(self._puts)
-            return RemoteOffloadStats(
-                mode=self._remote_mode,
-                jobs_dropped=tier.dropped,
-                in_flight=in_flight,
-                store=self._remote.store.stats(),
-                **self._remote_counts,
-            )
+            return None if self._tiers is None else self._tiers.stats()
+
+    def tier_stats(self) -> list[RemoteOffloadStats]:
+        """Each tier's counters, in the order of ``tiers`` (empty without tiers)."""
+        with self._lock:
+            return [] if self._tiers is None else self._tiers.tier_stats()
 
     def transfer_stats(self) -> TransferStats:
         """The copy jobs' counters per direction, as ``poll`` reported them."""
@@ -559,117 +504,28 @@ class Offloader:
         counts["finished_abandoned"] += abandoned
         self._transfer_seconds[f"{side}_seconds"] += result.seconds
 
-    def _check_fetch_plan(self, plan: StorePlan) -> None:
-        """A fetch plan stores one key: one block id, in the pool (the store path checks
-        its plans so in ``_pool_ids``)."""
-        if len(plan.block_ids) != len(plan.keys):
-            raise InvalidArgumentError(
-                f"a fetch plan of {len(plan.keys)} key needs as many block ids, got "
-                f"{len(plan.block_ids)}"
-            )
-        as_block_ids("cpu_block_ids", plan.block_ids, self.engine.pool.num_blocks)
-
-    def _check_remote_keys(self, keys: Sequence[Key]) -> None:
-        """Keys the remote cannot hold are refused before the manager sees them: a key's
-        write-back, later, must not fail for its type."""
-        if self._remote is not None:
-            from kvoffload.tiers.values import encode_key
-
-            for key in keys:
-                encode_key(key)
-
     def _write_back(self, plans: Sequence[StorePlan]) -> None:
-        """Send the victims of ``plans`` to the remote in one write, with the bytes their
-        block ids hold now: call before anything may write those block ids (the plans'
-        own jobs)."""
-        if self._remote is None or self._remote_mode != "write-back":
-            return
-        keys: list[Key] = []
-        block_ids: list[int] = []
-        for plan in plans:
-            if len(plan.evicted_block_ids) != len(plan.evicted_keys):
-                # A manager of the caller's that does not say where its victims were: their
-                # bytes cannot be found, so they are not written (counted as not written).
-                self._remote_counts["not_written"] += len(plan.evicted_keys)
-                continue
-            keys += plan.evicted_keys
-            block_ids += plan.evicted_block_ids
-        if keys:
-            self._put(keys, block_ids)
-
-    def _write_through(self, plan: StorePlan) -> None:
-        ready = [
-            (key, block_id)
-            for key, block_id in zip(plan.keys, plan.block_ids, strict=True)
-            if self.manager.lookup(key) is Lookup.HIT
-        ]
-        if ready:
-            keys, block_ids = zip(*ready, strict=True)
-            self._put(keys, block_ids)
-
-    def _put(self, keys: Sequence[Key], block_ids: Sequence[int]) -> None:
-        """Copy the CPU blocks ``block_ids`` (a staging copy the write job owns: the pool's
-        block ids are reused at once) and submit their write under ``keys``."""
-        assert self._remote is not None
-        import torch
-
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-        staging = self.engine.pool.tensor.index_select(0, ids).numpy()
-        job = self._remote.submit_put(list(keys), [staging[i] for i in range(len(keys))])
-        self._puts[job.job_id] = job
-        self._remote_counts["write_keys"] += len(keys)
+        """Send the victims of ``plans`` to the tiers with the bytes their block ids hold
+        now: call before anything may write those block ids (the plans' own jobs)."""
+        if self._tiers is not None:
+            self._tiers.write_back(plans)
 
     def _complete_fetch(self, plan: StorePlan, accepted: bool) -> None:
         """A fetch's job reported: the key becomes ready only if its value was accepted."""
         self.manager.complete_store(plan, success=accepted)
 
-    def _poll_remote(self, remote: RemoteTier) -> list[Finished]:
-        finished: list[Finished] = []
-        block_bytes = self.engine.pool.block_bytes
-        now = time.monotonic()
-        for job in remote.poll():
-            counts = self._remote_counts
-            if job.kind == "put":
-                if self._puts.pop(job.job_id, None) is None:
-                    continue
-                stored = sum(job.result)
-                counts["written"] += stored
-                counts["not_written"] += len(job.keys) - stored
-                counts["written_bytes"] += stored * block_bytes
-                continue
-            for plan, accepted in zip(self._fetch_plans.pop(job.job_id), job.result, strict=True):
-                del self._fetch_of[plan.plan_id]
-                started = self._fetch_started.pop(plan.plan_id)
-                abandoned = self.manager.is_abandoned(plan)  # before the completion ends it
-                self._complete_fetch(plan, accepted)
-                counts["fetch_hits" if accepted else "fetch_misses"] += 1
-                counts["fetch_bytes"] += block_bytes if accepted else 0
-                result = JobResult(
-                    job.job_id,
-                    Direction.STORE,
-                    accepted,
-                    block_bytes if accepted else 0,
-                    now - started,
-                )
-                finished.append(Finished(plan, result, abandoned, fetched=True))
-        return finished
-
     def _fetch_job(self, plan: object) -> RemoteJob | None:
-        if not isinstance(plan, StorePlan):
-            return None
-        job = self._fetch_of.get(plan.plan_id)
-        if job is None or plan not in self._fetch_plans.get(job.job_id, ()):
-            return None
-        return job
+        return None if self._tiers is None else self._tiers.fetch_job(plan)
+
+    def _is_fetch(self, plan_id: int) -> bool:
+        return self._tiers is not None and self._tiers.is_fetch(plan_id)
 
     def _unabandoned_fetches(self) -> list[RemoteJob]:
         """The fetch jobs in flight with a plan not abandoned."""
-        jobs = {
-            job_id: self._fetch_of[plans[0].plan_id]
-            for job_id, plans in self._fetch_plans.items()
-            if not all(map(self.manager.is_abandoned, plans))
-        }
-        return list(jobs.values())
+        return [] if self._tiers is None else self._tiers.unabandoned_fetches(self.manager)
+
+    def _tier_writes(self) -> list[RemoteJob]:
+        return [] if self._tiers is None else self._tiers.writes()
 
     def _device_ids(self, ids: BlockIds, num_keys: int) -> IdArray:
         device = as_block_ids("device_block_ids", ids, self.engine.layout.num_blocks)
@@ -712,18 +568,3 @@ class Offloader:
                 "returned that poll has not reported yet"
             )
         return job
-
-
-def _check_remote(remote: object, mode: object, max_pending: object) -> None:
-    if mode not in REMOTE_MODES:
-        raise InvalidArgumentError(f"remote_mode must be one of {REMOTE_MODES}, got {mode!r}")
-    if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-        raise InvalidArgumentError(f"remote_max_pending must be an int >= 1, got {max_pending!r}")
-    if remote is None:
-        return
-    from kvoffload.tiers.store import RemoteStore
-
-    if not isinstance(remote, RemoteStore):
-        raise InvalidArgumentError(
-            f"remote must be a RemoteStore (a kvoffload.tiers.ValkeyStore), got {remote!r}"
-        )

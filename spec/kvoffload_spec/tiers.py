@@ -62,11 +62,30 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from kvoffload_spec.explore import Counterexample, Report
 from kvoffload_spec.model import OffloadModel
 from kvoffload_spec.refinement import copy_state, fingerprint
 from kvoffload_spec.surface import Key, Lookup, StorePlan
+
+if TYPE_CHECKING:  # the disk tier's rules, named here too: kvoffload_spec.tiers is every tier
+    from kvoffload_spec.disk import DiskRules as DiskRules
+    from kvoffload_spec.disk import DiskViolation as DiskViolation
+    from kvoffload_spec.disk import DiskWorld as DiskWorld
+    from kvoffload_spec.disk import explore_disk as explore_disk
+
+_DISK_NAMES = frozenset({"DiskRules", "DiskViolation", "DiskWorld", "explore_disk"})
+
+
+def __getattr__(name: str) -> object:
+    """The disk tier's names, loaded on first use: kvoffload_spec.disk imports this module."""
+    if name in _DISK_NAMES:
+        from kvoffload_spec import disk
+
+        return getattr(disk, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 OURS, FOREIGN = 0, 1  # namespaces: this pool's (layout, model), and another one's
 FULL = 2  # a value's length in the explored world: 2 is whole, 1 is cut short

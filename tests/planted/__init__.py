@@ -17,8 +17,10 @@ from typing import Any
 from kvoffload.manager import OffloadManager
 from kvoffload.offloader import Offloader
 from kvoffload.policies.base import EvictionPolicy
+from kvoffload_spec.disk import DiskRules
 from tests.planted import block_ids as broken_ids
 from tests.planted import crosshair_manager as broken_contracts
+from tests.planted import disk as broken_disk
 from tests.planted import layouts as broken_layouts
 from tests.planted import manager as broken
 from tests.planted import planner as broken_planner
@@ -43,6 +45,9 @@ LAYOUTS = "layout checks"  # valid layouts with odd size-1 strides must be accep
 OFFLOADER_MACHINE = "offloader machine"  # the Offloader's state machine, data path included
 VERIFY = "verify"  # `kvoffload verify --policy module:Class` on a user's policy
 ABANDONED_FETCH = "abandoned fetch"  # a stalled fetch abandoned, the pool reused, bytes read
+DISK = (
+    "disk explorer"  # the pool over its disk tier, crashes and restarts (tests/test_disk_spec.py)
+)
 FETCH_JOBS = "fetch jobs"  # jobs of 1-4 fetch plans, every subset abandoned, reset or wait
 PARTLY_PRESENT = "partly-present keys"  # adapters' batches with every subset stored already
 PLANNER = "run planner checks"  # mixed packed/strided layouts, both paths, vs a reference
@@ -68,6 +73,7 @@ CHECKERS = (
     PARTLY_PRESENT,
     PLANNER,
     STORE_CONTRACT,
+    DISK,
 )
 
 
@@ -113,6 +119,7 @@ Subject = (
     Variant
     | ManagerBug
     | broken_tiers.TierBug
+    | DiskRules
     | CrossHairTarget
     | broken_ids.PlantedIdBug
     | broken_races.PlantedRace
@@ -252,6 +259,16 @@ _TIERS = tuple(
 )
 
 
+_DISK = tuple(
+    _planted(rules.__name__, rules, rules(), DISK)
+    for rules in (
+        broken_disk.AcceptsATornWrite,
+        broken_disk.ExceedsTheCapacity,
+        broken_disk.KeepsBlocksAcrossANamespaceChange,
+    )
+)
+
+
 def _contract(cls: type[OffloadManager]) -> Planted:
     checks = [name for name in vars(cls) if name.startswith("check_")]
     return _planted(cls.__name__, cls, CrossHairTarget(cls, checks[0]), MANAGER_CROSSHAIR)
@@ -354,6 +371,7 @@ CATALOGUE: tuple[Planted, ...] = (
     _SPEC
     + _MANAGERS
     + _TIERS
+    + _DISK
     + _CONTRACTS
     + _IDS
     + _RACES

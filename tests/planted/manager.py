@@ -284,7 +284,7 @@ class OffloaderFreesAnAbandonedFetchAtOnce(Offloader):
 
     def abandon(self, plan: Plan) -> None:
         super().abandon(plan)
-        if isinstance(plan, StorePlan) and plan.plan_id in self._fetch_of:
+        if isinstance(plan, StorePlan) and self._is_fetch(plan.plan_id):
             self.manager.complete_store(plan, success=False)
             self.ended |= {plan.plan_id}
 
@@ -299,8 +299,11 @@ class OffloaderStopsWaitingAtAnAbandonedPlan(Offloader):
     block ids while the job can still write them."""
 
     def _unabandoned_fetches(self) -> list[RemoteJob]:
+        tiers = self._tiers
+        if tiers is None:
+            return []
         return [
-            self._fetch_of[plans[0].plan_id]
-            for plans in self._fetch_plans.values()
+            tiers._fetch_of[plans[0].plan_id]
+            for plans in tiers._fetch_plans.values()
             if not any(map(self.manager.is_abandoned, plans))
         ]

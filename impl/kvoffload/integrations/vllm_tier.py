@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -51,7 +51,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.integrations.vllm_metrics import TIER_METRICS, StepReport, definitions
 from kvoffload.metrics import METRICS, Sample, remote_samples
-from kvoffload.tiers import Namespace, RemoteJob, RemoteStats, RemoteTier, ValkeyStore
+from kvoffload.tiers import (
+    Namespace,
+    RemoteJob,
+    RemoteStats,
+    RemoteStore,
+    RemoteTier,
+    ValkeyStore,
+)
 from kvoffload.tiers.secret import resolve_secret
 from kvoffload_spec.errors import InvalidArgumentError
 
@@ -122,6 +129,20 @@ class TierStats:
     lookups: RemoteStats  # the connection that answers whether a chunk is there
 
 
+class Lookups(Protocol):
+    """How a tier answers vLLM's lookups (a probe of the server, or a disk's RAM index)."""
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None: ...
+
+    def cleanup(self, req_id: str) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def mark_miss(self, keys: list[OffloadKey]) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
 class _ExistenceProbe(AsyncLookupManager):
     """vLLM's per-step batched lookups, answered by one ``EXISTS`` pipeline per request."""
 
@@ -190,15 +211,34 @@ class KvoffloadValkeyTier(SecondaryTierManager):
         }
         # Two connections: a lookup batch never waits behind a chunk transfer. (Made before
         # any view of vLLM's pool: a bad setting raises with nothing of the pool held.)
-        self._store = ValkeyStore(url, **options)
-        self._lookup_store = ValkeyStore(url, **options)
+        store = ValkeyStore(url, **options)
+        lookup_store = ValkeyStore(url, **options)
+        self._attach(
+            store,
+            lookup_store,
+            _ExistenceProbe(lookup_store, tier_type),
+            primary_kv_view,
+            max_pending_jobs,
+        )
+
+    def _attach(
+        self,
+        store: RemoteStore,
+        lookup_store: RemoteStore,
+        probe: Lookups,
+        primary_kv_view: memoryview,
+        max_pending_jobs: int,
+    ) -> None:
+        """What the tier's transfers need, whatever its store (a disk tier's too)."""
+        self._store = store
+        self._lookup_store = lookup_store
         # One row of bytes per CPU chunk: a chunk is the slice at its row's offset.
         self._pool = primary_kv_view.cast("B")
         self._chunks = len(primary_kv_view)
         self._transfers = RemoteTier(
-            self._store, max_pending=max_pending_jobs, name=f"kvoffload-vllm-{tier_type}"
+            store, max_pending=max_pending_jobs, name=f"kvoffload-vllm-{self.tier_type}"
         )
-        self._probe = _ExistenceProbe(self._lookup_store, tier_type)
+        self._probe = probe
         # our job id -> (the job, vLLM's job id, whether it is a load)
         self._in_flight: dict[int, tuple[RemoteJob, int, bool]] = {}
         self._failed_now: list[JobResult] = []  # jobs refused before they were submitted

@@ -1,4 +1,5 @@
-"""The sizes of a replay's engine: device cache, CPU pool, policy, block bytes."""
+"""The sizes of a replay's engine: device cache, CPU pool, policy, block bytes; and its disk
+tier, if it has one."""
 
 from __future__ import annotations
 
@@ -16,3 +17,13 @@ class SimulationConfig:
     policy: str = DEFAULT_POLICY
     block_bytes: int = 4096
     max_requests: int | None = None
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    """A disk tier behind each engine's CPU pool: the directory (engine ``i`` of several
+    gets ``path/engine-i``), its capacity, its admission rule (see ``DiskStore``)."""
+
+    path: str
+    capacity_bytes: int = 4 << 30
+    admission: str = "second-offer"

@@ -1,6 +1,6 @@
 """What a replay measured: :class:`SimulationReport` per engine, :class:`RemoteTally` for its
-remote tier, :class:`SharedSimulationReport` for engines sharing one, and their JSON and table
-rows."""
+remote tier, :class:`DiskTally` for its disk tier, :class:`SharedSimulationReport` for engines
+sharing one, and their JSON and table rows."""
 
 from __future__ import annotations
 
@@ -37,14 +37,21 @@ class SimulationReport:
     wall_seconds: float = 0.0
     latency: dict[str, Latency] = field(default_factory=dict)
     remote: RemoteTally | None = None  # with a remote tier only
+    disk: DiskTally | None = None  # with a disk tier only
 
     @property
     def remote_hits(self) -> int:
         return 0 if self.remote is None else self.remote.hits
 
     @property
+    def disk_hits(self) -> int:
+        return 0 if self.disk is None else self.disk.hits
+
+    @property
     def misses(self) -> int:
-        return self.block_refs - self.device_hits - self.cpu_hits - self.remote_hits
+        return (
+            self.block_refs - self.device_hits - self.cpu_hits - self.disk_hits - self.remote_hits
+        )
 
     def _ratio(self, count: int) -> float:
         return count / self.block_refs if self.block_refs else 0.0
@@ -125,7 +132,10 @@ class SimulationReport:
                 name: {"calls": t.calls, "p50": t.p50_us, "p99": t.p99_us, "max": t.max_us}
                 for name, t in self.latency.items()
             },
-        } | ({} if self.remote is None else {"remote": self.remote.to_json(self.block_refs)})
+        } | (
+            ({} if self.disk is None else {"disk": self.disk.to_json(self.block_refs)})
+            | ({} if self.remote is None else {"remote": self.remote.to_json(self.block_refs)})
+        )
 
     def engine_description(self) -> str:
         c = self.config
@@ -139,7 +149,7 @@ class SimulationReport:
         """The summary table, as (label, value, what it means) rows: where the block
         references were served, set against what any cache could serve, then the work."""
         every = self.latency.get("all", Latency(0, 0.0, 0.0, 0.0))
-        served = self.device_hits + self.cpu_hits + self.remote_hits
+        served = self.device_hits + self.cpu_hits + self.disk_hits + self.remote_hits
         reusable = self.block_refs - self.first_uses
         evicted_too_soon = self.miss_ratio - self.first_use_ratio
         return [
@@ -157,6 +167,7 @@ class SimulationReport:
                 f"{self.cpu_fraction_of_belady:.1%} of Belady's optimum for "
                 f"{self.config.cpu_blocks:,} CPU blocks ({self.belady_cpu_hit_ratio:.4f})",
             ),
+            *([] if self.disk is None else self.disk.summary_rows(self.block_refs)),
             *([] if self.remote is None else self.remote.summary_rows(self.block_refs)),
             (
                 "recomputed",
@@ -261,9 +272,71 @@ class RemoteTally:
 
     def add(self, other: RemoteTally) -> None:
         for name, value in vars(other).items():
-            if isinstance(value, int):
+            if isinstance(value, int | float):  # counts, and a disk tally's seconds
                 setattr(self, name, getattr(self, name) + value)
         self.last_error = other.last_error or self.last_error
+
+
+@dataclass
+class DiskTally(RemoteTally):
+    """What one engine did with its disk tier: a :class:`RemoteTally` (no sharing: a disk is
+    one engine's), and the disk's own time and choices."""
+
+    read_seconds: float = 0.0  # in the disk's reads (system calls and checks)
+    write_seconds: float = 0.0
+    not_admitted: int = 0  # first offers the admission rule kept out
+    rewrites_skipped: int = 0  # blocks written back that the disk held already, unchanged
+    evictions: int = 0
+    blocks_at_start: int = 0  # found on the disk when the engine started
+    blocks_at_end: int = 0
+    slots: int = 0  # blocks the disk's capacity holds
+
+    def to_json(self, block_refs: int) -> dict[str, object]:
+        found = super().to_json(block_refs)
+        for name in ("shared_hits", "shared_hit_ratio"):
+            del found[name]
+        return found | {
+            "read_seconds": self.read_seconds,
+            "write_seconds": self.write_seconds,
+            "not_admitted": self.not_admitted,
+            "rewrites_skipped": self.rewrites_skipped,
+            "evictions": self.evictions,
+            "blocks_at_start": self.blocks_at_start,
+            "blocks_at_end": self.blocks_at_end,
+            "slots": self.slots,
+        }
+
+    def summary_rows(self, block_refs: int) -> list[tuple[str, str, str]]:
+        return [
+            (
+                "disk tier hits",
+                f"{share_of(self.hits, block_refs):.4f}",
+                f"{self.blocks_at_start:,} blocks on the disk at the start, "
+                f"{self.blocks_at_end:,} at the end, of {self.slots:,}",
+            ),
+            (
+                "disk traffic",
+                f"{self.blocks_written:,}",
+                f"blocks written ({format_size(self.bytes_written)}), "
+                f"{self.fetched_blocks:,} read ({format_size(self.bytes_fetched)})",
+            ),
+            (
+                "disk time",
+                f"{self.write_seconds + self.read_seconds:.2f} s",
+                f"{self.write_seconds:.2f} s writing, {self.read_seconds:.2f} s reading",
+            ),
+            (
+                "disk evictions",
+                f"{self.evictions:,}",
+                f"{self.rewrites_skipped:,} blocks written back unchanged (not rewritten)",
+            ),
+            (
+                "disk failures",
+                f"{self.failures:,}",
+                f"I/O errors; {self.not_written:,} writes refused ({self.not_admitted:,} not "
+                f"admitted), {self.fetch_misses:,} reads missed",
+            ),
+        ]
 
 
 def share_of(count: int, total: int) -> float:
@@ -295,6 +368,7 @@ class SharedSimulationReport:
         first = self.engines[0]
         total = SimulationReport(first.trace, first.config, first.backend)
         total.remote = None if first.remote is None else RemoteTally()
+        total.disk = None if first.disk is None else DiskTally()
         for report in self.engines:
             for name in (
                 "requests", "block_refs", "device_hits", "cpu_hits", "belady_cpu_hits",
@@ -305,6 +379,8 @@ class SharedSimulationReport:
                 setattr(total, name, getattr(total, name) + getattr(report, name))
             if total.remote is not None and report.remote is not None:
                 total.remote.add(report.remote)
+            if total.disk is not None and report.disk is not None:
+                total.disk.add(report.disk)
         total.wall_seconds = self.wall_seconds
         total.first_uses = self.first_uses
         return total

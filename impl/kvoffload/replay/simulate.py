@@ -21,6 +21,12 @@ serve the trace's requests in turn (request ``i`` goes to engine ``i mod N``), e
 own device cache and CPU pool, all writing back to one remote store; between steps 2 and 3,
 the ids after the CPU hits that the remote holds are fetched into the CPU pool and loaded
 with the CPU hits (the remote hits), so fewer are recomputed.
+
+With a disk tier (``--disk PATH --disk-bytes SIZE``), each engine has a ``DiskStore`` of its
+own in front of the remote (``tiers=[disk, remote]``): evicted blocks are written to both, a
+fetch asks the disk first, and a block the remote served is written to the disk too. The
+disk's blocks outlive the run: a second run on the same directory (the same trace and block
+size) starts with what the first left, as an engine restarted would.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvoffload.replay.belady import belady_hits
-from kvoffload.replay.config import SimulationConfig
+from kvoffload.replay.config import DiskTierConfig, SimulationConfig
 from kvoffload.replay.device_cache import DevicePrefixCache
 from kvoffload.replay.report import (
+    DiskTally,
     RemoteTally,
     SharedSimulationReport,
     SimulationReport,
@@ -68,7 +75,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvoffload.offloader import Finished, Offloader, RemoteMode
-    from kvoffload.tiers import RemoteStore
+    from kvoffload.tiers import DiskStore, RemoteStore
 
 
 # -- block content -----------------------------------------------------------------------------
@@ -136,6 +143,8 @@ def simulate(
     on_request: ProgressHook | None = None,
     on_start: Callable[[MemoryPlan], None] | None = None,
     metrics_port: int | None = None,
+    *,
+    disk: DiskTierConfig | None = None,
 ) -> SimulationReport:
     """Replay ``trace`` (see the module docstring); bad sizes raise before any allocation.
     ``on_start(plan)`` is called once the arguments are checked, before anything is
@@ -149,8 +158,9 @@ def simulate(
     plan = _check_memory(config, device)  # before the manager, whose arrays grow with the pool
     if on_start is not None:
         on_start(plan)
+    disks = _open_disks(disk, trace, config, 1)
     manager = TimedManager(OffloadManager(config.cpu_blocks, policy))
-    engine = _Engine(trace.name, config, manager, device)
+    engine = _Engine(trace.name, config, manager, device, disk=disks[0] if disks else None)
     started = time.perf_counter()
     with _one_cpu_thread(), _serving(metrics_port, [engine]) as refresh:
         for done, request in enumerate(requests, start=1):
@@ -159,7 +169,47 @@ def simulate(
                 refresh()
                 if on_request is not None:
                     on_request(done, len(requests))
-    return engine.finish(time.perf_counter() - started)
+    report = engine.finish(time.perf_counter() - started)
+    for store in disks:
+        store.close()
+    return report
+
+
+def _open_disks(
+    disk: DiskTierConfig | None, trace: Trace, config: SimulationConfig, instances: int
+) -> list[DiskStore]:
+    """One disk tier per engine (engine ``i`` of several in ``path/engine-i``)."""
+    if disk is None:
+        return []
+    from pathlib import Path
+
+    from kvoffload.tiers import DiskStore
+
+    namespace = {"kvoffload simulate": trace.name, "block_bytes": config.block_bytes}
+    root = Path(disk.path)
+    if instances > 1 and not root.exists():
+        try:
+            root.mkdir()
+        except OSError as error:
+            raise InvalidArgumentError(f"cannot make {root}: {error.strerror}") from None
+    paths = [root] if instances == 1 else [root / f"engine-{i}" for i in range(instances)]
+    opened: list[DiskStore] = []
+    try:
+        for path in paths:
+            opened.append(
+                DiskStore(
+                    path,
+                    capacity_bytes=disk.capacity_bytes,
+                    namespace=namespace,
+                    block_bytes=config.block_bytes,
+                    admission=disk.admission,  # type: ignore[arg-type]
+                )
+            )
+    except BaseException:
+        for store in opened:
+            store.close()
+        raise
+    return opened
 
 
 def simulate_shared(
@@ -173,6 +223,7 @@ def simulate_shared(
     on_start: Callable[[MemoryPlan], None] | None = None,
     metrics_port: int | None = None,
     remote_secret: bytes | str | None = None,
+    disk: DiskTierConfig | None = None,
 ) -> SharedSimulationReport:
     """``instances`` engines, request ``i`` of ``trace`` served by engine ``i mod instances``,
     each with the sizes of ``config`` and, with ``remote_url``, all writing back to and
@@ -209,6 +260,7 @@ def simulate_shared(
             ValkeyStore(remote_url, namespace=namespace, secret=remote_secret)
             for _ in range(instances)
         ]
+    disks = _open_disks(disk, trace, config, instances)
     engines = [
         _Engine(
             trace.name,
@@ -217,6 +269,7 @@ def simulate_shared(
             device,
             remote=stores[i] if stores else None,
             remote_mode=remote_mode,
+            disk=disks[i] if disks else None,
         )
         for i in range(instances)
     ]
@@ -230,7 +283,8 @@ def simulate_shared(
                     on_request(done, len(requests))
     wall = time.perf_counter() - started
     reports = [engine.finish(wall) for engine in engines]
-    for store in stores:
+    opened: list[RemoteStore] = [*stores, *disks]
+    for store in opened:
         store.close()
     first_uses = len({block for request in requests for block in request})
     shown = stores[0].url if stores else None  # its password replaced by ***
@@ -373,6 +427,7 @@ class _Engine:
         device: torch.device,
         remote: RemoteStore | None = None,
         remote_mode: RemoteMode = "write-back",
+        disk: DiskStore | None = None,
     ) -> None:
         import torch
 
@@ -382,23 +437,32 @@ class _Engine:
         self.kv = torch.zeros(
             (config.gpu_blocks, config.block_bytes), dtype=torch.uint8, device=device
         )
+        # The tiers in order, each with the tally of its hits.
+        self.report = SimulationReport(name, config, device.type)
+        self.tiers: list[tuple[RemoteStore, RemoteTally]] = []
+        if disk is not None:
+            self.report.disk = DiskTally()
+            self.tiers.append((disk, self.report.disk))
+        if remote is not None:
+            self.report.remote = RemoteTally()
+            self.tiers.append((remote, self.report.remote))
         self.offloader: Offloader = Offloader(
             [self.kv],
             num_cpu_blocks=config.cpu_blocks,
             manager=manager,
-            remote=remote,
+            tiers=[store for store, _ in self.tiers],
             remote_mode=remote_mode,
         )
         self.remote_mode = remote_mode
         self.remote = remote
+        self.disk = disk
         self.written_back: set[Key] = set()  # every key this engine wrote to the remote
         self.device_cache = DevicePrefixCache(config.gpu_blocks)
         self.content = BlockContent(config.block_bytes, device)
         self.cpu_stream: list[Request] = []
         self._seen: set[BlockId] = set()  # every block id this engine was asked for
-        self.report = SimulationReport(name, config, device.type)
-        if remote is not None:
-            self.report.remote = RemoteTally()
+        if disk is not None and self.report.disk is not None:
+            self.report.disk.blocks_at_start = disk.stats().blocks
         self._device = device
 
     def serve(self, request: Request) -> None:
@@ -421,51 +485,63 @@ class _Engine:
         if cpu_hits:
             self._load(list(dict.fromkeys(cpu_ids[:cpu_hits])))
         loaded = cpu_hits
-        if self.remote is not None:
+        if self.tiers:
             # After the CPU hits' load: a fetch may evict them from the pool.
-            remote_hits = self._fetch(cpu_ids[cpu_hits:])
-            fetched = list(dict.fromkeys(cpu_ids[cpu_hits : cpu_hits + remote_hits]))
+            tier_hits = self._fetch(cpu_ids[cpu_hits:])
+            fetched = list(dict.fromkeys(cpu_ids[cpu_hits : cpu_hits + tier_hits]))
             if fetched:
                 self._load(fetched)
-            loaded += remote_hits
+            loaded += tier_hits
         self._recompute(list(dict.fromkeys(cpu_ids[loaded:])))
         plan = self.offloader.store(cpu_ids, self._device_blocks(cpu_ids)) if cpu_ids else None
         self.offloader.touch(cpu_ids)
         if plan is not None:
             self._written_back(plan)
-            # With a remote, its writes too: the queue never fills, no write is dropped.
-            self.offloader.wait(None if self.remote is not None else [plan])
+            # With tiers, their writes too: the queues never fill, no write is dropped.
+            self.offloader.wait(None if self.tiers else [plan])
             self._account(self.offloader.poll())
 
     def _fetch(self, ids: Sequence[BlockId]) -> int:
-        """Fetch the prefix of ``ids`` the remote holds into the CPU pool; the remote hits:
-        how many of ``ids``, from the first, are ready in the CPU pool now."""
-        assert self.remote is not None and self.report.remote is not None
-        tally = self.report.remote
+        """Fetch the prefix of ``ids`` the tiers hold into the CPU pool; the tiers' hits:
+        how many of ``ids``, from the first, are ready in the CPU pool now, each counted for
+        the tier that served it."""
         distinct = list(dict.fromkeys(ids))
-        # Ask which ones the server has first (one round trip, no CPU block taken): a fetch
-        # of a key it lacks would evict a local block for nothing.
-        held = self.remote.contains(distinct) if distinct else []
+        # Ask which ones the tiers have first (no CPU block taken): a fetch of a key they
+        # lack would evict a local block for nothing.
+        held = [False] * len(distinct)
+        for store, _ in self.tiers:
+            missing = [i for i, found in enumerate(held) if not found]
+            if not missing:
+                break
+            for i, found in zip(
+                missing, store.contains([distinct[i] for i in missing]), strict=True
+            ):
+                held[i] = found
         wanted = distinct[: held.index(False) if False in held else len(held)]
         if not wanted:
             return 0
         for plan in self.offloader.fetch(wanted):
             self._written_back(plan, fetched=True)
         self.offloader.wait()
-        self._account(self.offloader.poll())
+        finished = self.offloader.poll()
+        served = {done.plan.keys[0]: done.tier for done in finished if done.fetched and done.ok}
+        self._account(finished)
         hits = 0
         for key in ids:
             if self.offloader.lookup(key) is not Lookup.HIT:
                 break
             hits += 1
-            tally.shared_hits += key not in self.written_back
-        tally.hits += hits
+            tier = served.get(key)
+            if tier is not None:
+                store, tally = self.tiers[tier]
+                tally.hits += 1
+                tally.shared_hits += store is self.remote and key not in self.written_back
         return hits
 
     def _written_back(self, plan: StorePlan, fetched: bool = False) -> None:
         """Note the keys this engine writes to the remote: the victims (write-back), or the
         keys stored (write-through; a fetch's key came from the remote, it is not written)."""
-        if self.remote is None:
+        if not self.tiers:
             return
         if self.remote_mode == "write-back":
             self.written_back.update(plan.evicted_keys)
@@ -502,11 +578,7 @@ class _Engine:
         report = self.report
         for done in finished:
             result = done.result
-            if done.fetched:
-                assert report.remote is not None
-                report.remote.fetched_blocks += done.ok
-                report.remote.fetch_misses += not done.ok
-                report.remote.bytes_fetched += result.nbytes
+            if done.fetched:  # counted per tier, from the tiers' own counters, at the end
                 continue
             if isinstance(done.plan, StorePlan):
                 report.store_seconds += result.seconds
@@ -524,14 +596,26 @@ class _Engine:
     def finish(self, wall_seconds: float) -> SimulationReport:
         self.offloader.close()
         report = self.report
-        remote = self.offloader.remote_stats()
-        if remote is not None and report.remote is not None:
-            report.remote.blocks_written = remote.written
-            report.remote.bytes_written = remote.written_bytes
-            report.remote.not_written = remote.not_written
-            report.remote.failures = remote.failures
-            if self.remote is not None:
-                report.remote.last_error = self.remote.stats().last_error
+        for (_, tally), tier in zip(self.tiers, self.offloader.tier_stats(), strict=True):
+            tally.fetched_blocks = tier.fetch_hits
+            tally.fetch_misses = tier.fetch_misses
+            tally.bytes_fetched = tier.fetch_bytes
+            tally.blocks_written = tier.written
+            tally.bytes_written = tier.written_bytes
+            tally.not_written = tier.not_written
+            tally.failures = tier.failures
+        if self.disk is not None and report.disk is not None:
+            disk = self.disk.stats()
+            report.disk.read_seconds = disk.read_seconds
+            report.disk.write_seconds = disk.write_seconds
+            report.disk.not_admitted = disk.not_admitted
+            report.disk.rewrites_skipped = disk.rewrites_skipped
+            report.disk.evictions = disk.evictions
+            report.disk.blocks_at_end = disk.blocks
+            report.disk.slots = disk.slots
+            report.disk.last_error = disk.last_error
+        if self.remote is not None and report.remote is not None:
+            report.remote.last_error = self.remote.stats().last_error
         stats = self.manager.inner.stats()
         report.evictions = stats.evictions
         report.rejected_stores = stats.rejected_stores

@@ -1,8 +1,10 @@
-"""Tiers behind the CPU block pool: a remote block store shared by engines.
+"""Tiers behind the CPU block pool: a remote block store shared by engines, a local disk.
 
 - ``RemoteStore``: the contract (:mod:`kvoffload.tiers.store`);
 - ``ValkeyStore``: the store on a Valkey or Redis server (:mod:`kvoffload.tiers.valkey_store`,
   needs ``kvoffload[remote]``);
+- ``DiskStore``: the store on a local directory, bounded and restart-safe
+  (:mod:`kvoffload.tiers.disk_store`, needs ``kvoffload[disk]``);
 - ``RemoteTier``: a store's calls on a worker thread behind a bounded queue
   (:mod:`kvoffload.tiers.background`);
 - ``Namespace`` keeps two models or KV layouts apart on one server, and the value format makes
@@ -26,6 +28,10 @@ if TYPE_CHECKING:
     from kvoffload.tiers.background import RemoteJob as RemoteJob
     from kvoffload.tiers.background import RemoteTier as RemoteTier
     from kvoffload.tiers.background import RemoteTierStats as RemoteTierStats
+    from kvoffload.tiers.disk_layout import DiskInUseError as DiskInUseError
+    from kvoffload.tiers.disk_layout import DiskLayoutError as DiskLayoutError
+    from kvoffload.tiers.disk_store import DiskStats as DiskStats
+    from kvoffload.tiers.disk_store import DiskStore as DiskStore
     from kvoffload.tiers.secret import SECRET_ENV as SECRET_ENV
     from kvoffload.tiers.secret import read_secret_file as read_secret_file
     from kvoffload.tiers.secret import resolve_secret as resolve_secret
@@ -35,6 +41,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SECRET_ENV",
+    "DiskInUseError",
+    "DiskLayoutError",
+    "DiskStats",
+    "DiskStore",
     "JobNotDoneError",
     "Namespace",
     "Rejection",
@@ -51,6 +61,10 @@ __all__ = [
 ]
 
 _LAZY: dict[str, str] = {
+    "DiskInUseError": "kvoffload.tiers.disk_layout",
+    "DiskLayoutError": "kvoffload.tiers.disk_layout",
+    "DiskStats": "kvoffload.tiers.disk_store",
+    "DiskStore": "kvoffload.tiers.disk_store",
     "JobNotDoneError": "kvoffload.tiers.background",
     "RemoteJob": "kvoffload.tiers.background",
     "RemoteTier": "kvoffload.tiers.background",
@@ -72,8 +86,9 @@ def __getattr__(name: str) -> Any:
     try:
         loaded = importlib.import_module(module)
     except ImportError as error:
+        extra = "disk" if module.startswith("kvoffload.tiers.disk") else "remote"
         raise ImportError(
-            f"kvoffload.tiers.{name} needs the remote tier's dependencies "
-            f"(pip install 'kvoffload[remote]'): {error}"
+            f"kvoffload.tiers.{name} needs the {extra} tier's dependencies "
+            f"(pip install 'kvoffload[{extra}]'): {error}"
         ) from error
     return getattr(loaded, name)

@@ -26,7 +26,11 @@ operation      the server has the value     no (valid) value            timeout 
 
 "No valid value" includes a value that is there but refused: another namespace's or
 tenant's, another key's, truncated, corrupt, forged (see :mod:`kvoffload.tiers.values`), or
-longer than the call can accept; such a value is never returned.
+longer than the call can accept; such a value is never returned. One exception to "buffer
+untouched": a store that reads a value straight into the caller's buffer (``DiskStore``: no
+copy) can only check it there, so a value it refuses after reading leaves that buffer zeroed
+(never the refused bytes). A miss, or a value of another size, leaves it untouched in every
+store.
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ class RemoteStats:
 
 @runtime_checkable
 class RemoteStore(Protocol):
-    """A batched block store shared by engines (one implementation: ValkeyStore).
+    """A batched block store (implementations: ValkeyStore, shared by engines; DiskStore,
+    an engine's own drive).
 
     Every call is synchronous and takes a whole batch: its time is one round trip plus the
     bytes' transfer, and never more than the store's timeout, whatever the server does. Call it
