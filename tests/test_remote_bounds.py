@@ -13,6 +13,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Hashable, Iterator
 from types import FrameType
+from typing import Any
 
 import pytest
 import torch
@@ -235,3 +236,39 @@ def test_a_send_interrupted_midway_drops_the_connection(
     ]
     stats = store.stats()
     assert stats.connects == 2 and stats.failures == 0
+
+
+def test_a_name_lookup_that_hangs_is_under_the_call_deadline(
+    valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C resolver has no timeout of ours (a DNS server that does not answer holds
+    ``getaddrinfo`` for 5 s per try and more): the lookup runs beside the call, which ends
+    by its deadline. The resolver here is made to hang for one name; literals never ask it,
+    and a name that resolves connects as before."""
+    import socket
+
+    real = socket.getaddrinfo
+    release = threading.Event()
+
+    def hanging(host: object, *args: Any, **kwargs: Any) -> Any:
+        numeric = len(args) >= 5 and args[4] & socket.AI_NUMERICHOST
+        if host == "stuck.invalid" and not numeric:  # a literal is never looked up
+            release.wait(30)
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    try:
+        url = f"redis://stuck.invalid:{valkey_server.port}/0"
+        store = ValkeyStore(url, namespace=LAYOUT, timeout_s=TIMEOUT_S, retry_after_s=0)
+        result, took = timed(lambda: store.put(["k"], [b"block"]))
+        assert result == [False] and took <= TIMEOUT_S + MARGIN_S, f"took {took:.2f} s"
+        assert store.stats().timeouts == 1
+        by_name = ValkeyStore(
+            f"redis://localhost:{valkey_server.port}/0", namespace=LAYOUT, timeout_s=5
+        )
+        assert by_name.put(["k"], [b"block"]) == [True]
+        assert [v and v.tobytes() for v in by_name.get(["k"])] == [b"block"]
+        store.close()
+        by_name.close()
+    finally:
+        release.set()

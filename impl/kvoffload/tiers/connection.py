@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .address import ServerAddress
 
@@ -127,8 +128,9 @@ class Link:
                 sock.close()
                 raise
             return cls(sock)
-        assert address.host is not None
-        sock = socket.create_connection((address.host, address.port), timeout=deadline.left())
+        if address.host is None:
+            raise ProtocolError("an address with neither a host nor a unix socket path")
+        sock = _connect(address.host, address.port, deadline)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if context is not None:
@@ -305,6 +307,60 @@ class Link:
             raise ServerClosed("the server closed the connection")
         self._end += count
         self.received += count
+
+
+def _connect(host: str, port: int, deadline: Deadline) -> socket.socket:
+    """A TCP connection to ``host``, its name looked up and every address tried within
+    ``deadline`` (``socket.create_connection`` would wait for the resolver unbounded)."""
+    last: OSError = OSError(f"{host} has no address")
+    for family, kind, protocol, _, target in _resolve(host, port, deadline):
+        sock = socket.socket(family, kind, protocol)
+        try:
+            sock.settimeout(deadline.left())
+            sock.connect(target)
+        except OSError as error:  # TimeoutError too: the deadline passed
+            sock.close()
+            last = error
+            if isinstance(error, TimeoutError):
+                raise
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    raise last
+
+
+_AddrInfo = Sequence[tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[Any, ...]]]
+
+
+def _resolve(host: str, port: int, deadline: Deadline) -> _AddrInfo:
+    """``getaddrinfo`` under the deadline. An address literal needs no resolver; a name is
+    looked up on a daemon thread (the C resolver has no timeout of ours): when the deadline
+    passes first, the call fails and the lookup is left to end on its own."""
+    numeric = socket.AI_NUMERICHOST | socket.AI_NUMERICSERV
+    try:
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, numeric)
+    except socket.gaierror:
+        pass  # a name, not a literal
+    found: list[_AddrInfo] = []
+    failed: list[OSError] = []
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+        except OSError as error:
+            failed.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=look_up, name="kvoffload-resolve", daemon=True).start()
+    if not done.wait(deadline.left()):
+        raise TimeoutError(f"looking up {host} took longer than the call's deadline")
+    if failed:
+        raise failed[0]
+    return found[0]
 
 
 class HeldLink:
