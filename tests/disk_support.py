@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.tiers.disk_layout import HEAD_BYTES, RECORD_BYTES, RESERVED_BYTES, round_up
-from kvoffload.tiers.disk_store import DiskStats, DiskStore
+from kvoffload.tiers.disk_stats import DiskStats
+from kvoffload.tiers.disk_store import DiskStore
 
 LAYOUT = {"model": "tiny-llama", "dtype": "bfloat16", "block_tokens": 16, "layers": 2}
 SECRET = "a tenant's secret of more than sixteen bytes"

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kvoffload.tiers.background import RemoteTierStats as RemoteTierStats
     from kvoffload.tiers.disk_layout import DiskInUseError as DiskInUseError
     from kvoffload.tiers.disk_layout import DiskLayoutError as DiskLayoutError
-    from kvoffload.tiers.disk_store import DiskStats as DiskStats
+    from kvoffload.tiers.disk_stats import DiskStats as DiskStats
     from kvoffload.tiers.disk_store import DiskStore as DiskStore
     from kvoffload.tiers.secret import SECRET_ENV as SECRET_ENV
     from kvoffload.tiers.secret import read_secret_file as read_secret_file
@@ -63,7 +63,7 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "DiskInUseError": "kvoffload.tiers.disk_layout",
     "DiskLayoutError": "kvoffload.tiers.disk_layout",
-    "DiskStats": "kvoffload.tiers.disk_store",
+    "DiskStats": "kvoffload.tiers.disk_stats",
     "DiskStore": "kvoffload.tiers.disk_store",
     "JobNotDoneError": "kvoffload.tiers.background",
     "RemoteJob": "kvoffload.tiers.background",

@@ -26,8 +26,7 @@ from array import array
 from collections import Counter
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -37,8 +36,23 @@ import kvoffload.tiers.disk_layout as layout
 from kvoffload.tiers.admission import AdmitAll, SecondOffer
 from kvoffload.tiers.disk_index import SlotIndex
 from kvoffload.tiers.disk_io import SlotFile, page_aligned
-from kvoffload.tiers.store import Payload, RemoteStats, StoreClosedError, WritableBuffer
-from kvoffload.tiers.values import Namespace, Rejection, as_payload, encode_key, value_format
+from kvoffload.tiers.disk_open import (
+    check_geometry,
+    claim,
+    inspect_directory,
+    remove_made,
+    slot_tables,
+)
+from kvoffload.tiers.disk_stats import DiskStats
+from kvoffload.tiers.store import Payload, StoreClosedError, WritableBuffer
+from kvoffload.tiers.values import (
+    Namespace,
+    Rejection,
+    as_payload,
+    encode_key,
+    value_format,
+    writable_buffers,
+)
 from kvoffload_spec.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -51,34 +65,6 @@ MAX_BLOCK_BYTES = 1 << 30
 # A call's runs are cut into parts of at least this many bytes for the helper threads.
 _PART_BYTES = 1 << 20
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-
-@dataclass(frozen=True)
-class DiskStats(RemoteStats):
-    """A :class:`RemoteStats` (``server_errors`` are the I/O errors, ``disk_full`` and
-    ``io_errors`` added up) with what only a disk tier has."""
-
-    rejected_mac: int = 0  # sealed values whose tag fails (counted in ``rejected`` too)
-    blocks: int = 0  # on the disk now
-    slots: int = 0  # blocks the capacity holds
-    capacity_bytes: int = 0
-    not_admitted: int = 0  # first offers, remembered and not written (admission)
-    rewrites_skipped: int = 0  # puts of a block held with the same bytes: not written again
-    busy: int = 0  # puts of a block being read or written: not stored
-    no_room: int = 0  # puts that found every slot pinned or being written
-    evictions: int = 0
-    deleted_records: int = 0
-    disk_full: int = 0  # writes the file system refused: full, over quota or file size limit
-    io_errors: int = 0  # other failed reads and writes
-    read_seconds: float = 0.0  # in the system calls and checks of reads
-    write_seconds: float = 0.0
-    direct: bool = False  # O_DIRECT in use for aligned buffers
-    opened_blocks: int = 0  # found on the disk when the store opened
-    open_refused_records: int = 0  # torn, overwritten or another directory's records
-    open_refused_truncated: int = 0  # slots past the end of a slot file cut short
-    open_refused_duplicates: int = 0
-    open_dropped_beyond_capacity: int = 0
-    open_seconds: float = 0.0
 
 
 class DiskStore:
@@ -131,8 +117,8 @@ class DiskStore:
         self._format: ValueFormat = value_format(self._namespace, secret)
         directory = Path(path)
         self.path = directory
-        found = _inspect(directory)
-        geometry = self._geometry(found, block_bytes)
+        found = inspect_directory(directory)
+        geometry = check_geometry(directory, self._format, found, block_bytes)
         slots = geometry.slots_for(capacity_bytes)
         if slots < 1:
             raise InvalidArgumentError(
@@ -143,7 +129,7 @@ class DiskStore:
         self.capacity_bytes = capacity_bytes
         self.geometry = geometry
         self.slots = slots
-        self._lock_fd, meta, created = self._claim(directory, found)
+        self._lock_fd, meta, created = claim(directory, self._format, found, geometry)
         try:
             self._epoch = meta.epoch
             self._file = SlotFile(str(directory / layout.DATA_NAME), direct=direct)
@@ -169,10 +155,13 @@ class DiskStore:
         self._policy = policy_class(slots)
         self._admission = SecondOffer(slots) if admission == "second-offer" else AdmitAll()
         self._index = SlotIndex(slots)
-        self._sums = array("Q", [0]) * slots
-        self._short: dict[int, int] = {}  # slot -> payload length, for values < block_bytes
-        self._free = array("i")  # slots below the high-water mark, free again
-        self._fresh = 0  # slots from here on have never held a block
+        # Set by _recover: each slot's payload sum; slot -> payload length, for values
+        # shorter than a slot; the free slots below the high-water mark; the mark itself
+        # (slots from there on have never held a block).
+        self._sums: array[int]
+        self._short: dict[int, int]
+        self._free: array[int]
+        self._fresh: int
         self._pins: dict[int, int] = {}  # slot -> reads in flight
         self._writing: set[int] = set()
         self._incoming: set[int] = set()  # digests of blocks being written to a new slot
@@ -188,83 +177,13 @@ class DiskStore:
 
     # -- opening -------------------------------------------------------------------------
 
-    def _geometry(self, found: layout.Meta | None, block_bytes: int | None) -> layout.Geometry:
-        if found is None:
-            if block_bytes is None:
-                raise InvalidArgumentError(
-                    "block_bytes is needed to make a new disk tier (it is read from an "
-                    "existing one)"
-                )
-            return layout.Geometry(block_bytes)
-        if block_bytes is not None and block_bytes != found.block_bytes:
-            raise layout.DiskLayoutError(
-                f"the disk tier in {self.path} "
-                f"holds blocks of {found.block_bytes:,} bytes, not {block_bytes:,}: give "
-                "another directory, or remove this one"
-            )
-        kind, ident, _ = layout.namespace_of(self._format)
-        if (found.values, found.namespace) != (kind, ident):
-            said = "a sealed" if found.values == "sealed" else "a plain"
-            raise layout.DiskLayoutError(
-                f"the disk tier holds {said} tier's blocks of another namespace"
-                + (" or secret" if "sealed" in (kind, found.values) else "")
-                + ": give another directory, or remove this one"
-            )
-        return layout.Geometry(found.block_bytes)
-
-    def _claim(self, directory: Path, found: layout.Meta | None) -> tuple[int, layout.Meta, bool]:
-        """Make the directory if need be, hold its lock, write its metadata if new."""
-        created = False
-        if not directory.exists():
-            try:
-                directory.mkdir(mode=0o700)
-            except OSError as error:
-                raise InvalidArgumentError(
-                    f"cannot make the disk tier's directory {directory}: {error.strerror}"
-                ) from None
-            created = True
-        try:
-            descriptor = layout.lock(directory)
-        except InvalidArgumentError:
-            if created:
-                _remove_made(directory)
-            raise
-        try:
-            # Read again under the lock: another store may have made it meanwhile.
-            meta = _inspect(directory)
-            if meta != found and meta is not None:
-                self._geometry(meta, self.geometry.block_bytes)
-            if meta is None:
-                kind, ident, description = layout.namespace_of(self._format)
-                meta = layout.Meta(
-                    self.geometry.block_bytes,
-                    kind,
-                    ident,
-                    description,
-                    int.from_bytes(os.urandom(8), "little"),
-                )
-                layout.write_meta(directory, meta)
-        except OSError as error:
-            os.close(descriptor)
-            if created:
-                _remove_made(directory)
-            raise InvalidArgumentError(
-                f"cannot write the disk tier's metadata in {directory}: {error.strerror}"
-            ) from None
-        except BaseException:
-            os.close(descriptor)
-            raise
-        return descriptor, meta, created
-
     def _release(self, created: bool) -> None:
         os.close(self._lock_fd)
         if created:
-            _remove_made(self.path)
+            remove_made(self.path)
 
     def _recover(self) -> Counter[str]:
         """Take back what the previous process left, within this open's capacity."""
-        import numpy as np
-
         geometry = self.geometry
         data_bytes = os.fstat(self._file.buffered).st_size
         index_bytes = os.fstat(self._records).st_size
@@ -283,16 +202,9 @@ class DiskStore:
             self._index.set(digest, slot)
         self._policy.insert_each(digests)
         self._policy.mark_evictable_each(digests)
-        sums = np.zeros(self.slots, dtype=np.uint64)
-        sums[found.slots] = found.sums
-        self._sums = array("Q", sums.tobytes())
-        for slot, length in zip(slots, found.lengths.tolist(), strict=True):
-            if length != geometry.block_bytes:
-                self._short[slot] = length
-        self._fresh = int(found.slots.max()) + 1 if slots else 0
-        used = np.zeros(self._fresh, dtype=bool)
-        used[found.slots] = True
-        self._free = array("i", np.flatnonzero(~used)[::-1].astype(np.int32).tobytes())
+        self._sums, self._short, self._fresh, self._free = slot_tables(
+            found, self.slots, geometry.block_bytes
+        )
         self._seq = found.next_seq
         return Counter(
             opened_blocks=len(slots),
@@ -326,7 +238,7 @@ class DiskStore:
         such block (or one of another size), zeroed when the block read there was refused
         (torn, overwritten, foreign)."""
         identities = self._identities(keys)
-        targets = _buffers(buffers, len(identities))
+        targets = writable_buffers(buffers, len(identities))
         with self._call():
             found: list[memoryview | None] = [None] * len(identities)
             self._read(identities, targets, found)
@@ -825,46 +737,6 @@ class DiskStore:
                 verdicts[n] = verdict
                 got -= geometry.slot_bytes
         return verdicts
-
-
-def _inspect(directory: Path) -> layout.Meta | None:
-    """The metadata of the disk tier at ``directory`` (None: a new or empty directory),
-    read only: raises for a path that cannot be one."""
-    if directory.exists() and not directory.is_dir():
-        raise InvalidArgumentError(f"{directory} is a file, not a directory for a disk tier")
-    if not directory.exists():
-        parent = directory.parent
-        if not parent.is_dir():
-            raise InvalidArgumentError(
-                f"cannot make a disk tier at {directory}: {parent} is not a directory"
-            )
-        return None
-    return layout.read_meta(directory)
-
-
-def _remove_made(directory: Path) -> None:
-    """Undo the making of ``directory`` (an open that failed leaves nothing behind)."""
-    for name in (layout.LOCK_NAME, layout.META_NAME, layout.DATA_NAME, layout.INDEX_NAME):
-        with suppress(OSError):
-            (directory / name).unlink()
-    with suppress(OSError):
-        directory.rmdir()
-
-
-def _buffers(buffers: Sequence[WritableBuffer], count: int) -> list[memoryview]:
-    if isinstance(buffers, (bytes, bytearray, memoryview)) or not isinstance(buffers, Sequence):
-        raise InvalidArgumentError("buffers must be a sequence of buffers, one per key")
-    if len(buffers) != count:
-        raise InvalidArgumentError(
-            f"get_into got {count} keys and {len(buffers)} buffers; give one per key"
-        )
-    views: list[memoryview] = []
-    for i, buffer in enumerate(buffers):
-        view = as_payload(buffer, f"buffer #{i}")
-        if view.readonly:
-            raise InvalidArgumentError(f"buffer #{i} is read-only")
-        views.append(view)
-    return views
 
 
 def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:

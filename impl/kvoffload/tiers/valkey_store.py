@@ -57,6 +57,7 @@ from .values import (
     Rejection,
     as_payload,
     encode_key,
+    writable_buffers,
 )
 from .values import value_format as make_format
 
@@ -208,7 +209,7 @@ class ValkeyStore:
         buffer's size; ``False`` leaves that buffer untouched. No more than each buffer's
         size plus the value's header is read from the server."""
         encoded = self._keys(keys)
-        targets = self._buffers(buffers, len(encoded))
+        targets = writable_buffers(buffers, len(encoded))
         done = [False] * len(encoded)
         limits = [
             self._format.header_bytes(key) + target.nbytes
@@ -371,22 +372,6 @@ class ValkeyStore:
                 f"got {type(keys).__name__}"
             )
         return [encode_key(key) for key in keys]
-
-    @staticmethod
-    def _buffers(buffers: Sequence[WritableBuffer], count: int) -> list[memoryview]:
-        if isinstance(buffers, (bytes, bytearray, memoryview)) or not isinstance(buffers, Sequence):
-            raise InvalidArgumentError("buffers must be a sequence of buffers, one per key")
-        if len(buffers) != count:
-            raise InvalidArgumentError(
-                f"get_into got {count} keys and {len(buffers)} buffers; give one per key"
-            )
-        views: list[memoryview] = []
-        for i, buffer in enumerate(buffers):
-            view = as_payload(buffer, f"buffer #{i}")
-            if view.readonly:
-                raise InvalidArgumentError(f"buffer #{i} is read-only")
-            views.append(view)
-        return views
 
     # -- commands ------------------------------------------------------------------------
 

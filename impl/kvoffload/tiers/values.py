@@ -73,13 +73,16 @@ import json
 import operator
 import os
 import struct
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import SupportsIndex, cast
+from typing import TYPE_CHECKING, SupportsIndex, cast
 
 import xxhash
 
 from kvoffload_spec.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .store import WritableBuffer
 
 MAGIC = b"KVO\x01"
 _FIXED = struct.Struct("<4s16sIQ")  # magic, fingerprint, key length, payload length
@@ -272,6 +275,23 @@ def as_payload(value: object, what: str) -> memoryview:
             f"{what} holds {flat.nbytes} bytes; a value must stay under {MAX_VALUE_BYTES}"
         )
     return flat
+
+
+def writable_buffers(buffers: Sequence[WritableBuffer], count: int) -> list[memoryview]:
+    """``get_into``'s buffers checked, as flat writable views: one per key."""
+    if isinstance(buffers, (bytes, bytearray, memoryview)) or not isinstance(buffers, Sequence):
+        raise InvalidArgumentError("buffers must be a sequence of buffers, one per key")
+    if len(buffers) != count:
+        raise InvalidArgumentError(
+            f"get_into got {count} keys and {len(buffers)} buffers; give one per key"
+        )
+    views: list[memoryview] = []
+    for i, buffer in enumerate(buffers):
+        view = as_payload(buffer, f"buffer #{i}")
+        if view.readonly:
+            raise InvalidArgumentError(f"buffer #{i} is read-only")
+        views.append(view)
+    return views
 
 
 # -- the format a store writes and reads --------------------------------------------------
