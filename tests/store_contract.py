@@ -63,7 +63,47 @@ def valkey_stores(store_class: type[ValkeyStore] = ValkeyStore) -> Iterator[Stor
                 store.close()
 
 
-STORES: tuple[StoreFactory, ...] = (StoreFactory("valkey", valkey_stores),)
+@contextmanager
+def disk_stores() -> Iterator[StoreMaker]:
+    """Disk stores in a temporary directory: one directory per namespace (a disk tier holds
+    one namespace's blocks), and "another store on the same storage" is the same one while
+    it is open, else the directory opened again (a restart)."""
+    import tempfile
+    from pathlib import Path
+
+    from kvoffload.tiers import DiskStore
+
+    with tempfile.TemporaryDirectory(prefix="kvoffload-contract-") as root:
+        made: dict[bytes, DiskStore] = {}
+
+        def make(namespace: str | Mapping[str, Any] | Namespace | None = None) -> RemoteStore:
+            of = Namespace.of(namespace or LAYOUT)
+            store = made.get(of.fingerprint)
+            if store is None or store.closed:
+                store = DiskStore(
+                    Path(root) / of.fingerprint.hex(),
+                    capacity_bytes=64 << 20,
+                    namespace=of,
+                    block_bytes=DISK_BLOCK_BYTES,
+                    admission="every-offer",
+                )
+                made[of.fingerprint] = store
+            return store
+
+        try:
+            yield make
+        finally:
+            for store in made.values():
+                store.close()
+
+
+# The largest payload the checks store (twice their largest buffer, 64 KiB), and more.
+DISK_BLOCK_BYTES = 256 << 10
+
+STORES: tuple[StoreFactory, ...] = (
+    StoreFactory("valkey", valkey_stores),
+    StoreFactory("disk", disk_stores),
+)
 """Every store the contract is run on."""
 
 
@@ -328,11 +368,13 @@ def check_a_closed_store_refuses_every_call(make: StoreMaker) -> None:
 
 def check_a_value_put_by_one_store_is_read_by_another(make: StoreMaker) -> None:
     """Stores of one namespace on one backing storage share their values (engines share
-    blocks so), also once the writer is closed."""
-    writer, reader = make(), make()
+    blocks so), also once the writer is closed: a store opened after it reads what it
+    wrote (for a disk tier, the next process on its directory)."""
+    writer = make()
     value = payload("shared", 4096)
     assert writer.put(["shared"], [value]) == [True]
     writer.close()
+    reader = make()
     buffer = filled(4096)
     assert reader.get_into(["shared"], [buffer]) == [True] and buffer == value
     assert reader.contains(["shared"]) == [True]

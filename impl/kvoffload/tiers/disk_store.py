@@ -217,6 +217,11 @@ class DiskStore:
     # -- the surface ---------------------------------------------------------------------
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (every call refused since)."""
+        return self._closed
+
+    @property
     def namespace(self) -> Namespace:
         return self._namespace
 
