@@ -477,30 +477,9 @@ class OffloadManager:
         nothing here. The policy contributes its order (``EvictionPolicy.abstract_order``);
         a policy the spec does not know stands as an LRU order of ``resident()``.
         """
-        from kvoffload_spec.policies import LruOrder
-        from kvoffload_spec.state import Block, SpecState
+        from kvoffload.manager_refinement import abstract_state
 
-        refs, storing = self._refs, self._storing
-        order = self._policy.abstract_order()
-        return SpecState(
-            num_blocks=self._num_blocks,
-            order=LruOrder(self._policy.resident()) if order is None else order,
-            blocks={
-                key: Block(block_id, refs[block_id], storing.get(key))
-                for key, block_id in self._block_id_of.items()
-            },
-            free_block_ids=sorted([*self._freed, *range(self._fresh, self._num_blocks)]),
-            num_evictable=self._num_evictable,
-            generation=self._generation,
-            open_plans=dict(self._open_plans.items()),
-            next_plan_id=self._next_plan_id,
-            store_threshold=self._store_threshold,
-            max_tracker_size=self._max_tracker_size,
-            offers=dict(self._offers),
-            events=None if self._events is None else list(self._events),
-            owner=self._owner,
-            abandoned={plan_id: list(block_ids) for plan_id, block_ids in self._abandoned.items()},
-        )
+        return abstract_state(self)
 
     # -- prepare_store, step by step -------------------------------------------------------
 
@@ -699,35 +678,6 @@ class OffloadManager:
     def _representation_violations(self) -> list[str]:
         """What is wrong with the tables themselves, in words: what the abstraction cannot
         show (the spec's invariants cover everything it can)."""
-        problems: list[str] = []
-        block_ids = list(self._block_id_of.values())
-        quarantined = [block_id for held in self._abandoned.values() for block_id in held]
-        every_block_id = block_ids + self._freed + quarantined
-        if len(set(every_block_id)) != len(every_block_id) or len(every_block_id) != self._fresh:
-            problems.append(
-                f"resident block ids {block_ids}, freed {self._freed} and quarantined "
-                f"{quarantined} overlap or leak"
-            )
-        if any(not 0 <= block_id < self._fresh <= self._num_blocks for block_id in every_block_id):
-            problems.append(f"a block id lies outside [0, {self._fresh}) or beyond the pool")
-        freed = self._freed
-        if any(freed[(child - 1) // 2] > freed[child] for child in range(1, len(freed))):
-            problems.append(f"the free heap {freed} is out of order")
-        if any(key not in self._block_id_of for key in self._storing):
-            problems.append(f"pending keys {list(self._storing)} are not all resident")
-        ready = {
-            block_id for key, block_id in self._block_id_of.items() if key not in self._storing
-        }
-        stray = [
-            block_id for block_id, count in enumerate(self._refs) if count and block_id not in ready
-        ]
-        if stray:
-            problems.append(f"block ids {stray} have refs but hold no ready block")
-        if self._opened_at.keys() != self._open_plans.keys():
-            problems.append("the open plans and their opening times disagree")
-        # A policy whose order misses or adds keys is reported by the spec, through the
-        # abstraction; its own checks assume it holds exactly the resident keys.
-        order = self._policy.resident()
-        if len(order) == len(self._block_id_of) and set(order) == set(self._block_id_of):
-            problems += self._policy.check_invariants(self._is_evictable)
-        return problems
+        from kvoffload.manager_refinement import representation_violations
+
+        return representation_violations(self)
