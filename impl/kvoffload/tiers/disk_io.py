@@ -15,13 +15,47 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Sequence
-from typing import Final
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
 
 from kvoffload.tiers.disk_layout import ALIGN
 
 # Buffers one pwritev/preadv takes (the kernel's limit, 1024 on Linux).
 IOV_MAX: Final = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
+
+
+# A call's runs are cut into parts of at least this many bytes for the helper threads.
+PART_BYTES: Final = 1 << 20
+
+
+class IoThreads:
+    """The calling thread and up to ``count - 1`` helpers (started at first need), sharing
+    one call's parts: system calls release the GIL, so a call's runs overlap."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._executor: ThreadPoolExecutor | None = None
+
+    def split(self, slots: list[int], nbytes: int) -> list[list[int]]:
+        """Cut a sorted list of slots into at most ``count`` parts of adjacent slots, each
+        of at least ``PART_BYTES`` (a run is never cut where it need not be)."""
+        parts = max(1, min(self.count, nbytes // PART_BYTES))
+        size = -(-len(slots) // parts)
+        return [slots[i : i + size] for i in range(0, len(slots), size)]
+
+    def run(self, parts: list[Any], work: Callable[[Any], Any]) -> list[Any]:
+        """``work(part)`` for every part, on the helper threads and this one."""
+        if len(parts) == 1:
+            return [work(parts[0])]
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.count - 1, thread_name_prefix="kvoffload-disk")
+        later = [self._executor.submit(work, part) for part in parts[1:]]
+        return [work(parts[0]), *(future.result() for future in later)]
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
 
 def page_aligned(nbytes: int) -> memoryview:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 from array import array
+from collections import Counter
 from contextlib import suppress
 from pathlib import Path
 
 from kvoffload_spec.errors import InvalidArgumentError
 
 from . import disk_layout as layout
+from .disk_io import SlotFile
 from .values import ValueFormat
 
 
@@ -140,4 +142,79 @@ def slot_tables(
     return array("Q", sums.tobytes()), short, fresh, free
 
 
-__all__ = ["check_geometry", "claim", "inspect_directory", "remove_made", "slot_tables"]
+def open_files(
+    directory: Path, direct: bool | None, lock_fd: int, created: bool
+) -> tuple[SlotFile, int]:
+    """The slot file and the record file of the claimed ``directory``; if either cannot be
+    opened, the claim is let go (and a directory this open made, removed) first."""
+    try:
+        slot_file = SlotFile(str(directory / layout.DATA_NAME), direct=direct)
+    except OSError as error:
+        _let_go(directory, lock_fd, created)
+        raise InvalidArgumentError(
+            f"cannot open {directory / layout.DATA_NAME}"
+            + (" with O_DIRECT" if direct else "")
+            + f": {error.strerror or error}"
+        ) from None
+    try:
+        records = os.open(directory / layout.INDEX_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as error:
+        slot_file.close()
+        _let_go(directory, lock_fd, created)
+        raise InvalidArgumentError(f"cannot open {directory}: {error.strerror}") from None
+    return slot_file, records
+
+
+def _let_go(directory: Path, lock_fd: int, created: bool) -> None:
+    os.close(lock_fd)
+    if created:
+        remove_made(directory)
+
+
+def recover_files(
+    data: int, records: int, epoch: int, geometry: layout.Geometry, slots: int
+) -> layout.Recovered:
+    """What the slot file ``data`` and the record file ``records`` of a previous process
+    hold that this open may take back; then the capacity of this open holds: what lies
+    past it is cut off."""
+    data_bytes = os.fstat(data).st_size
+    index_bytes = os.fstat(records).st_size
+    raw = os.pread(records, index_bytes, 0)
+    found = layout.recover(raw, epoch=epoch, geometry=geometry, slots=slots, data_bytes=data_bytes)
+    if data_bytes > slots * geometry.slot_bytes:
+        os.ftruncate(data, slots * geometry.slot_bytes)
+    if index_bytes > slots * layout.RECORD_BYTES:
+        os.ftruncate(records, slots * layout.RECORD_BYTES)
+    return found
+
+
+def open_counts(found: layout.Recovered) -> Counter[str]:
+    """The open's figures, as ``DiskStats`` names them."""
+    return Counter(
+        opened_blocks=len(found.slots),
+        open_refused_records=found.refused_records,
+        open_refused_truncated=found.refused_truncated,
+        open_refused_duplicates=found.refused_duplicates,
+        open_dropped_beyond_capacity=found.dropped_beyond_capacity,
+    )
+
+
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an int; got {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum:,}]"
+        raise InvalidArgumentError(f"{name} must be {bound}; got {value}")
+
+
+__all__ = [
+    "check_geometry",
+    "check_int",
+    "claim",
+    "inspect_directory",
+    "open_counts",
+    "open_files",
+    "recover_files",
+    "remove_made",
+    "slot_tables",
+]

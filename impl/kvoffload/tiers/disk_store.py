@@ -3,7 +3,8 @@
 It keeps the :class:`~kvoffload.tiers.store.RemoteStore` contract, so what is built on it
 (``RemoteTier``, the Offloader's tiers, the vLLM secondary tier, the simulator) takes it as
 it takes a ``ValkeyStore``. What lies where on the disk: :mod:`kvoffload.tiers.disk_layout`;
-how the bytes move: :mod:`kvoffload.tiers.disk_io`; docs/disk.md says how to use it.
+opening and taking back a directory: :mod:`kvoffload.tiers.disk_open`; how the bytes move:
+:mod:`kvoffload.tiers.disk_io`; docs/disk.md says how to use it.
 
 In RAM, per block on the disk: its digest in :class:`~kvoffload.tiers.disk_index.SlotIndex`,
 its place in the eviction order (an :class:`~kvoffload.policies.base.EvictionPolicy`, LRU by
@@ -25,7 +26,6 @@ import time
 from array import array
 from collections import Counter
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -35,12 +35,15 @@ import xxhash
 import kvoffload.tiers.disk_layout as layout
 from kvoffload.tiers.admission import AdmitAll, SecondOffer
 from kvoffload.tiers.disk_index import SlotIndex
-from kvoffload.tiers.disk_io import SlotFile, page_aligned
+from kvoffload.tiers.disk_io import IoThreads, page_aligned
 from kvoffload.tiers.disk_open import (
     check_geometry,
+    check_int,
     claim,
     inspect_directory,
-    remove_made,
+    open_counts,
+    open_files,
+    recover_files,
     slot_tables,
 )
 from kvoffload.tiers.disk_stats import DiskStats
@@ -62,8 +65,6 @@ if TYPE_CHECKING:
 Admission = Literal["second-offer", "every-offer"]
 ADMISSIONS: tuple[Admission, ...] = ("second-offer", "every-offer")
 MAX_BLOCK_BYTES = 1 << 30
-# A call's runs are cut into parts of at least this many bytes for the helper threads.
-_PART_BYTES = 1 << 20
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
@@ -104,10 +105,10 @@ class DiskStore:
 
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentError(f"path must be a str or a path; got {type(path).__name__}")
-        _check_int("capacity_bytes", capacity_bytes, 1)
+        check_int("capacity_bytes", capacity_bytes, 1)
         if block_bytes is not None:
-            _check_int("block_bytes", block_bytes, 1, MAX_BLOCK_BYTES)
-        _check_int("io_threads", io_threads, 1, 64)
+            check_int("block_bytes", block_bytes, 1, MAX_BLOCK_BYTES)
+        check_int("io_threads", io_threads, 1, 64)
         if admission not in ADMISSIONS:
             raise InvalidArgumentError(f"admission must be one of {ADMISSIONS}; got {admission!r}")
         if direct is not None and not isinstance(direct, bool):
@@ -130,22 +131,8 @@ class DiskStore:
         self.geometry = geometry
         self.slots = slots
         self._lock_fd, meta, created = claim(directory, self._format, found, geometry)
-        try:
-            self._epoch = meta.epoch
-            self._file = SlotFile(str(directory / layout.DATA_NAME), direct=direct)
-        except OSError as error:
-            self._release(created)
-            raise InvalidArgumentError(
-                f"cannot open {directory / layout.DATA_NAME}"
-                + (" with O_DIRECT" if direct else "")
-                + f": {error.strerror or error}"
-            ) from None
-        try:
-            self._records = os.open(directory / layout.INDEX_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as error:
-            self._file.close()
-            self._release(created)
-            raise InvalidArgumentError(f"cannot open {directory}: {error.strerror}") from None
+        self._epoch = meta.epoch
+        self._file, self._records = open_files(directory, direct, self._lock_fd, created)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._active = 0
@@ -167,8 +154,7 @@ class DiskStore:
         self._incoming: set[int] = set()  # digests of blocks being written to a new slot
         self._doomed: set[int] = set()  # pinned slots deleted or refused: freed at unpin
         self._rewriting = 0  # ready blocks being written again (in the index, not evictable)
-        self._executor: ThreadPoolExecutor | None = None
-        self._io_threads = io_threads
+        self._threads = IoThreads(io_threads)
         self._zeros = page_aligned(layout.ALIGN).toreadonly()
         self._sink = page_aligned(layout.ALIGN)  # padding read into, never looked at
         self._seq = 1
@@ -177,25 +163,10 @@ class DiskStore:
 
     # -- opening -------------------------------------------------------------------------
 
-    def _release(self, created: bool) -> None:
-        os.close(self._lock_fd)
-        if created:
-            remove_made(self.path)
-
     def _recover(self) -> Counter[str]:
         """Take back what the previous process left, within this open's capacity."""
         geometry = self.geometry
-        data_bytes = os.fstat(self._file.buffered).st_size
-        index_bytes = os.fstat(self._records).st_size
-        raw = os.pread(self._records, index_bytes, 0)
-        found = layout.recover(
-            raw, epoch=self._epoch, geometry=geometry, slots=self.slots, data_bytes=data_bytes
-        )
-        # The capacity of this open holds from now on: what lies past it goes.
-        if data_bytes > self.slots * geometry.slot_bytes:
-            os.ftruncate(self._file.buffered, self.slots * geometry.slot_bytes)
-        if index_bytes > self.slots * layout.RECORD_BYTES:
-            os.ftruncate(self._records, self.slots * layout.RECORD_BYTES)
+        found = recover_files(self._file.buffered, self._records, self._epoch, geometry, self.slots)
         digests = found.digests.tolist()
         slots = found.slots.tolist()
         for digest, slot in zip(digests, slots, strict=True):
@@ -206,13 +177,7 @@ class DiskStore:
             found, self.slots, geometry.block_bytes
         )
         self._seq = found.next_seq
-        return Counter(
-            opened_blocks=len(slots),
-            open_refused_records=found.refused_records,
-            open_refused_truncated=found.refused_truncated,
-            open_refused_duplicates=found.refused_duplicates,
-            open_dropped_beyond_capacity=found.dropped_beyond_capacity,
-        )
+        return open_counts(found)
 
     # -- the surface ---------------------------------------------------------------------
 
@@ -322,8 +287,7 @@ class DiskStore:
             self._closed = True
             while self._active:
                 self._idle.wait()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self._threads.close()
         self._file.close()
         os.close(self._records)
         os.close(self._lock_fd)
@@ -409,24 +373,6 @@ class DiskStore:
         self._counts["disk_full" if error.errno in _FULL else "io_errors"] += 1
         self._last_error = f"{errno.errorcode.get(error.errno or 0, 'OSError')}: {error}"
 
-    def _parallel(self, parts: list[Any], work: Any) -> list[Any]:
-        """``work(part)`` for every part, on the helper threads and this one."""
-        if len(parts) == 1:
-            return [work(parts[0])]
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                self._io_threads - 1, thread_name_prefix="kvoffload-disk"
-            )
-        later = [self._executor.submit(work, part) for part in parts[1:]]
-        return [work(parts[0]), *(future.result() for future in later)]
-
-    def _split(self, slots: list[int], nbytes: int) -> list[list[int]]:
-        """Cut a sorted list of slots into at most ``io_threads`` parts of adjacent slots,
-        each of at least ``_PART_BYTES`` (a run is never cut where it need not be)."""
-        parts = max(1, min(self._io_threads, nbytes // _PART_BYTES))
-        size = -(-len(slots) // parts)
-        return [slots[i : i + size] for i in range(0, len(slots), size)]
-
     # -- writes --------------------------------------------------------------------------
 
     def _put(self, identities: list[bytes], payloads: list[memoryview]) -> list[bool]:
@@ -511,7 +457,7 @@ class DiskStore:
         def work(part: list[int]) -> tuple[dict[int, bool], set[int]]:
             return self._write_part(part, writes, identities, payloads)
 
-        for done, same in self._parallel(self._split(order, nbytes), work):
+        for done, same in self._threads.run(self._threads.split(order, nbytes), work):
             results.update(done)
             unchanged |= same
         with self._lock:
@@ -668,8 +614,8 @@ class DiskStore:
         by_slot = sorted(range(len(reads)), key=lambda n: reads[n][0])
         nbytes = sum(lengths)
         verdicts: dict[int, Rejection | None] = {}
-        for part in self._parallel(
-            self._split(by_slot, nbytes),
+        for part in self._threads.run(
+            self._threads.split(by_slot, nbytes),
             lambda part: self._read_part(part, reads, into, identities),
         ):
             verdicts.update(part)
@@ -742,11 +688,3 @@ class DiskStore:
                 verdicts[n] = verdict
                 got -= geometry.slot_bytes
         return verdicts
-
-
-def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an int; got {type(value).__name__}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum:,}]"
-        raise InvalidArgumentError(f"{name} must be {bound}; got {value}")
