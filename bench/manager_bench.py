@@ -13,24 +13,19 @@ Four measurements, printed as tables and written as JSON (docs/performance.md, "
 4. ``replay``: the bundled Mooncake conversation trace through the manager with the
    engine's call sequence: manager calls per second.
 
-Garbage collection: each pool is built, collected once and frozen (``gc.freeze()``, as a
-long-running server does after start-up), so that collections inside the measured loops do
-not rescan the setup's million objects; the collector stays enabled while measuring.
+Each pool is built, collected once and frozen (``gc.freeze()``, as a server does after
+start-up): collections in the measured loops do not rescan the setup; the collector stays on.
+A few minutes on 2 cores; ``--quick``: a smoke run of seconds; ``--json``: the JSON.
 
-``python bench/manager_bench.py`` takes a few minutes on 2 cores; ``--quick`` is a smoke run
-of seconds at small sizes; ``--json`` prints the JSON instead of the tables.
-
-``--long`` runs the stall test instead: 2.5M one-victim calls into a pool of 1M blocks with
-99% of them pinned, for each policy, timing every call in wall-clock and in thread CPU time
-(``time.thread_time_ns``, which a busy neighbour does not inflate): median, p99.99 and
-maximum, each call's cause (collection, rebuild of a big dict, or steady), and the memory
-per resident block. It takes about 10 minutes on 2 busy cores.
+``--long`` runs the stall test instead: 2.5M one-victim calls into 1M blocks, 99% pinned,
+for each policy, every call timed in wall-clock and thread CPU time: median, p99.99, max,
+each call's cause (collection, a big dict's rebuild, or steady), bytes per block; ~10 min.
+How calls are timed: ``manager_timing.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import gc
 import json
@@ -39,9 +34,7 @@ import platform
 import sys
 import time
 import tracemalloc
-from array import array
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,13 +43,19 @@ import numpy
 from kvoffload.manager import OffloadManager
 from kvoffload.replay.traces import Trace, bundled_trace
 from kvoffload_spec.surface import Key, Lookup
+from manager_timing import (
+    CallTimer,
+    fill,
+    frozen_heap,
+    pin,
+    seconds_per_call,
+    watched_dicts,
+)
 from naive_manager import naive_manager
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("lru", "arc")
 PINNED_FRACTIONS = (0.0, 0.5, 0.99)
-BIG_DICT = 1_000  # entries: from here a rebuild of the dict is a pause of tens of us
-CHUNK = 64  # blocks per plan while a pool is built: an engine-sized batch
 
 TARGET_FAST_FAIL_GROWTH = 1.5  # time at the largest size / time at the smallest
 TARGET_NAIVE_SPEEDUP = 100.0  # naive / manager, at the largest size
@@ -253,54 +252,6 @@ class Result:
         return {"benchmark": "manager", **dataclasses.asdict(self)}
 
 
-# -- building pools ------------------------------------------------------------------------
-
-
-def chunks(keys: Sequence[Key], size: int = CHUNK) -> Iterator[Sequence[Key]]:
-    for start in range(0, len(keys), size):
-        yield keys[start : start + size]
-
-
-def fill(manager: OffloadManager, keys: Sequence[Key]) -> None:
-    """Store ``keys`` in engine-sized batches, least recent first, and complete them."""
-    for batch in chunks(keys):
-        plan = manager.prepare_store(batch)
-        if plan is None or len(plan.keys) != len(batch):
-            raise RuntimeError(f"could not fill {manager!r}")
-        manager.complete_store(plan)
-
-
-def pin(manager: OffloadManager, keys: Sequence[Key]) -> None:
-    """Open (and leave open) load plans reading ``keys``."""
-    for batch in chunks(keys):
-        manager.prepare_load(batch)
-
-
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Measure with the setup's objects out of the collector's sight (see the docstring)."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-        gc.collect()
-
-
-def seconds_per_call(call: Callable[[], object], calls: int, rounds: int = 5) -> float:
-    """The fastest of ``rounds`` loops of ``calls`` calls, per call (timeit's convention:
-    on a shared machine the slower rounds measure the neighbours).
-    """
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(calls):
-            call()
-        best = min(best, (time.perf_counter() - started) / calls)
-    return best
-
-
 # -- 1. fast fail --------------------------------------------------------------------------
 
 
@@ -340,85 +291,6 @@ def bench_fast_fail(sizes: Sequence[int]) -> FastFail:
 
 
 # -- 2. one victim -------------------------------------------------------------------------
-
-
-def watched_dicts(manager: OffloadManager) -> list[dict[object, object]]:
-    """Every dict the manager and its policy hold (found through their ``__slots__``)."""
-    found: list[dict[object, object]] = []
-    for owner in (manager, manager.policy):
-        for cls in type(owner).__mro__:
-            for name in getattr(cls, "__slots__", ()):
-                value = getattr(owner, name, None)
-                if isinstance(value, dict):
-                    found.append(value)
-    return found
-
-
-# CPython's PyDictObject on 64-bit builds (3.10 to 3.13): refcount, type, ma_used and
-# ma_version_tag take 8 bytes each, then comes ma_keys, the pointer to the hash table.
-_MA_KEYS_OFFSET = 32
-
-
-def table_address(mapping: dict[object, object]) -> int:
-    """Where the dict's hash table lives: it moves exactly when the table is rebuilt, to
-    grow or to squeeze out deleted entries (an O(n) pause). 0 where this cannot be read.
-    """
-    if not _CAN_SEE_TABLES:
-        return 0
-    return ctypes.c_void_p.from_address(id(mapping) + _MA_KEYS_OFFSET).value or 0
-
-
-def _tables_visible() -> bool:
-    if platform.python_implementation() != "CPython" or ctypes.sizeof(ctypes.c_void_p) != 8:
-        return False
-    probe: dict[object, object] = {0: 0}
-    before = ctypes.c_void_p.from_address(id(probe) + _MA_KEYS_OFFSET).value
-    probe.update(dict.fromkeys(range(1, 100)))  # grows: a new table
-    return before != ctypes.c_void_p.from_address(id(probe) + _MA_KEYS_OFFSET).value
-
-
-_CAN_SEE_TABLES = _tables_visible()
-
-
-class CallTimer:
-    """Times calls one by one, and tells whether a collection or a dict rebuild (each costs
-    O(heap) or O(n), however rarely it comes) happened during each.
-    """
-
-    def __init__(self, watched: list[dict[object, object]], calls: int) -> None:
-        self.wall_ns = array("q", bytes(8 * calls))
-        self.cpu_ns = array("q", bytes(8 * calls))
-        self.causes: dict[int, str] = {}  # call index -> cause, for unsteady calls only
-        self._watched = watched
-        self._last_tables = self._tables()
-        self._collections = 0
-
-    def _tables(self) -> list[int]:
-        # A small dict's rebuild is part of the steady cost; only a big one is a pause.
-        return [table_address(d) if len(d) >= BIG_DICT else 0 for d in self._watched]
-
-    def _count_collection(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._collections += 1
-
-    def run(self, call: Callable[[], None]) -> None:
-        gc.callbacks.append(self._count_collection)
-        try:
-            wall, cpu = time.perf_counter_ns, time.thread_time_ns
-            for index in range(len(self.wall_ns)):
-                collections = self._collections
-                started, computing = wall(), cpu()
-                call()
-                self.cpu_ns[index] = cpu() - computing
-                self.wall_ns[index] = wall() - started
-                if self._collections != collections:
-                    self.causes[index] = "collection"
-                tables = self._tables()
-                if tables != self._last_tables:
-                    self.causes.setdefault(index, "dict rebuild")
-                    self._last_tables = tables
-        finally:
-            gc.callbacks.remove(self._count_collection)
 
 
 def time_one_victim(n: int, policy: str, pinned: float, calls: int, warmup: int) -> CallTimer:
