@@ -211,19 +211,8 @@ def synthetic_open(where: Path, blocks: int) -> dict[str, float]:
                       block_bytes=size)  # fmt: skip
     epoch = first._epoch
     first.close()
-    rng = np.random.default_rng(0)
-    records = np.zeros(blocks, dtype=layout.record_dtype())
-    records["digest"] = rng.integers(1, 1 << 60, size=blocks, dtype=np.uint64)
-    records["seq"] = np.arange(1, blocks + 1, dtype=np.uint64)
-    records["sum"] = rng.integers(0, 1 << 63, size=blocks, dtype=np.uint64)
-    records["length"] = size
-    records["check"] = layout.record_checks(
-        records["digest"], records["seq"], records["sum"], records["length"],
-        np.arange(blocks, dtype=np.uint64), epoch,
-    )  # fmt: skip
-    (path / layout.INDEX_NAME).write_bytes(records.tobytes())
+    (path / layout.INDEX_NAME).write_bytes(layout.synthetic_records(blocks, size, epoch))
     os.truncate(path / layout.DATA_NAME, blocks * layout.Geometry(size).slot_bytes)
-    del records
 
     def open_it() -> DiskStore:
         return DiskStore(path, capacity_bytes=capacity(blocks, size), namespace="synthetic")

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.tiers.disk_layout import HEAD_BYTES, RECORD_BYTES, RESERVED_BYTES, round_up
-from kvoffload.tiers.disk_stats import DiskStats
 from kvoffload.tiers.disk_store import DiskStore
+from tests.remote_support import assert_accounted as assert_accounted  # one count for every store
 
 LAYOUT = {"model": "tiny-llama", "dtype": "bfloat16", "block_tokens": 16, "layers": 2}
 SECRET = "a tenant's secret of more than sixteen bytes"
@@ -44,21 +44,6 @@ def whose(block: bytes) -> tuple[int, int] | None:
         return None
     key, version = int.from_bytes(block[:8], "little"), int.from_bytes(block[8:16], "little")
     return (key, version) if block == content(key, len(block), version) else None
-
-
-def assert_accounted(stats: DiskStats) -> None:
-    assert stats.hits + stats.misses + stats.rejected + stats.unavailable == stats.keys_requested
-    assert stats.rejected == (
-        stats.rejected_malformed
-        + stats.rejected_foreign
-        + stats.rejected_wrong_key
-        + stats.rejected_length
-        + stats.rejected_checksum
-        + stats.rejected_mac
-    ), stats
-    assert stats.keys_stored + stats.keys_not_stored == stats.keys_offered, stats
-    assert stats.failures == stats.server_errors == stats.disk_full + stats.io_errors
-    assert stats.blocks <= stats.slots
 
 
 def bytes_on_disk(path: Path) -> int:

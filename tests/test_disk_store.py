@@ -479,19 +479,8 @@ def reopened_with(path: Path, blocks: int) -> DiskStore:
     first = DiskStore(path, capacity_bytes=capacity, namespace=LAYOUT, block_bytes=block)
     epoch = first._epoch
     first.close()
-    rng = np.random.default_rng(0)
-    records = np.zeros(blocks, dtype=layout.record_dtype())
-    records["digest"] = rng.integers(1, 1 << 60, size=blocks, dtype=np.uint64)
-    records["seq"] = np.arange(1, blocks + 1, dtype=np.uint64)
-    records["sum"] = rng.integers(0, 1 << 63, size=blocks, dtype=np.uint64)
-    records["length"] = block
-    records["check"] = layout.record_checks(
-        records["digest"], records["seq"], records["sum"], records["length"],
-        np.arange(blocks, dtype=np.uint64), epoch,
-    )  # fmt: skip
-    (path / layout.INDEX_NAME).write_bytes(records.tobytes())
+    (path / layout.INDEX_NAME).write_bytes(layout.synthetic_records(blocks, block, epoch))
     os.truncate(path / layout.DATA_NAME, blocks * layout.Geometry(block).slot_bytes)
-    del records
     import gc
     import tracemalloc
 
