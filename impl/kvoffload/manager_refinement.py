@@ -11,11 +11,13 @@ apart so that the manager's module reads as the operations.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvoffload.manager import OffloadManager
     from kvoffload_spec.state import SpecState
+
+# The manager's module imports this one: naming its class here would close an import cycle.
+OffloadManager = Any
 
 
 def abstract_state(manager: OffloadManager) -> SpecState:
