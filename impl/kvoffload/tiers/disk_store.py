@@ -51,8 +51,8 @@ from kvoffload.tiers.store import Payload, StoreClosedError, WritableBuffer
 from kvoffload.tiers.values import (
     Namespace,
     Rejection,
-    as_payload,
     encode_key,
+    put_payloads,
     value_format,
     writable_buffers,
 )
@@ -219,15 +219,7 @@ class DiskStore:
         held already with these very bytes). ``False``: not admitted (a first offer), the
         block busy, no slot free of reads and writes, or the write failed (counted)."""
         identities = self._identities(keys)
-        if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(
-            values, Sequence
-        ):
-            raise InvalidArgumentError("values must be a sequence of buffers, one per key")
-        if len(values) != len(identities):
-            raise InvalidArgumentError(
-                f"put got {len(identities)} keys and {len(values)} values; give one value per key"
-            )
-        payloads = [as_payload(value, f"the value for key #{i}") for i, value in enumerate(values)]
+        payloads = put_payloads(values, len(identities))
         for i, payload in enumerate(payloads):
             if payload.nbytes > self.geometry.block_bytes:
                 raise InvalidArgumentError(

@@ -55,8 +55,8 @@ from .values import (
     Namespace,
     PlainFormat,
     Rejection,
-    as_payload,
     encode_key,
+    put_payloads,
     writable_buffers,
 )
 from .values import value_format as make_format
@@ -235,15 +235,7 @@ class ValkeyStore:
         change them until it returns.
         """
         encoded = self._keys(keys)
-        if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(
-            values, Sequence
-        ):
-            raise InvalidArgumentError("values must be a sequence of buffers, one per key")
-        if len(values) != len(encoded):
-            raise InvalidArgumentError(
-                f"put got {len(encoded)} keys and {len(values)} values; give one value per key"
-            )
-        payloads = [as_payload(value, f"the value for key #{i}") for i, value in enumerate(values)]
+        payloads = put_payloads(values, len(encoded))
         for i, payload in enumerate(payloads):
             if payload.nbytes > self._max_value_bytes:
                 raise InvalidArgumentError(

@@ -277,6 +277,17 @@ def as_payload(value: object, what: str) -> memoryview:
     return flat
 
 
+def put_payloads(values: Sequence[object], count: int) -> list[memoryview]:
+    """``put``'s values checked, as flat views (no copy): one per key."""
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(values, Sequence):
+        raise InvalidArgumentError("values must be a sequence of buffers, one per key")
+    if len(values) != count:
+        raise InvalidArgumentError(
+            f"put got {count} keys and {len(values)} values; give one value per key"
+        )
+    return [as_payload(value, f"the value for key #{i}") for i, value in enumerate(values)]
+
+
 def writable_buffers(buffers: Sequence[WritableBuffer], count: int) -> list[memoryview]:
     """``get_into``'s buffers checked, as flat writable views: one per key."""
     if isinstance(buffers, (bytes, bytearray, memoryview)) or not isinstance(buffers, Sequence):
