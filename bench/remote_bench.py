@@ -12,9 +12,9 @@ it, the median thread CPU time of one call on each side (this process only): wha
 store's own work costs, whatever the machine's load; and the server's CPU time per call on
 each side (the mean, read from /proc on Linux): what the store's commands cost the server.
 
-With a tenant secret the store seals its values (an AES-GMAC tag under a one-time key per
-value, in place of the checksum: kvoffload.tiers.values.SealedFormat): the same batches
-through a store with a secret and one without, side by side in the same way, give the cost
+With a tenant secret the store seals its values (an AES-GCM tag under its writer's key,
+the payload as associated data, in place of the checksum:
+kvoffload.tiers.values.SealedFormat): the same batches through a store with a secret and one without, side by side in the same way, give the cost
 of the MAC (target: with a secret >= 85% of without); and the MACs one could have picked,
 each over the same 64 KiB and 2 MiB buffers in this process (the store's whole seal, AES-GMAC
 and Poly1305 alone, keyed BLAKE2b, HMAC-SHA256, and the plain format's XXH3 checksum).
@@ -347,7 +347,7 @@ def mac_algorithms(data: memoryview) -> dict[str, Callable[[], object]]:
         mac.finalize()
 
     return {
-        "the store's seal (one-time key + AES-GMAC)": lambda: sealed.header(encoded, data),
+        "the store's seal (header + AES-GCM tag)": lambda: sealed.header(encoded, data),
         "AES-GMAC alone (AES-256-GCM, no plaintext)": lambda: AESGCM(key).encrypt(iv, b"", data),
         "Poly1305 alone": poly1305,
         "BLAKE2b keyed": lambda: hashlib.blake2b(data, key=key, digest_size=16).digest(),

@@ -7,6 +7,7 @@ without the secret nobody can make a sealed value that is accepted.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import cast
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from kvoffload.tiers.values import (
     SEALED_MAGIC,
     Namespace,
     Rejection,
+    ValueFormat,
     encode_key,
     frame,
     payload_of,
@@ -168,24 +170,35 @@ def test_a_secret_is_checked_and_never_shown() -> None:
     assert SECRET.decode() not in repr(SEALED) and "secret" not in repr(SEALED)
 
 
-def test_every_sealed_value_is_tagged_under_a_mac_key_of_its_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """GMAC is a one-time MAC: two messages tagged under one key give that key away, and
-    forgeries with it. Each value's key comes from its own random nonce, so 64 seals of the
-    same bytes under the same block key use 64 keys, and a read checks each value under
-    the key it was sealed with; the payload goes to the MAC as the caller's buffer."""
-    sealed = value_format(NAMESPACE, SECRET)
-    real = sealed._one_time_tag  # type: ignore[attr-defined]
-    used: list[bytes] = []
+def _recording_tags(
+    monkeypatch: pytest.MonkeyPatch, sealed: ValueFormat
+) -> list[tuple[int, bytes]]:
+    """Every (writer key, nonce) ``sealed`` tags or checks under, in order."""
+    real = sealed._tag  # type: ignore[attr-defined]
+    used: list[tuple[int, bytes]] = []
 
-    def recording(key: bytes, payload: memoryview) -> bytes:
+    def recording(
+        cipher: object, nonce: bytes, fixed: bytes, encoded_key: bytes, payload: memoryview
+    ) -> bytes:
         assert isinstance(payload, memoryview)  # a view, not a copy
-        used.append(bytes(key))
-        tag: bytes = real(key, payload)
+        used.append((id(cipher), bytes(nonce)))
+        tag: bytes = real(cipher, nonce, fixed, encoded_key, payload)
         return tag
 
-    monkeypatch.setattr(sealed, "_one_time_tag", recording)
+    monkeypatch.setattr(sealed, "_tag", recording)
+    return used
+
+
+def test_no_two_sealed_values_share_a_writer_key_and_nonce(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GCM's tag is a one-time MAC: two messages tagged under one key and nonce give the
+    authentication key away, and forgeries with it. Each writer counts its values, so 64
+    seals of the same bytes under the same block key use 64 nonces, and a read checks each
+    value under the writer key and nonce it was sealed with; the payload goes to the MAC as
+    the caller's buffer."""
+    sealed = value_format(NAMESPACE, SECRET)
+    used = _recording_tags(monkeypatch, sealed)
     encoded = encode_key(b"one block")
     values = [sealed.frame(encoded, memoryview(b"the same bytes")) for _ in range(64)]
     sealing = list(used)
@@ -193,11 +206,34 @@ def test_every_sealed_value_is_tagged_under_a_mac_key_of_its_own(
     used.clear()
     assert all(isinstance(sealed.payload_of(encoded, value), memoryview) for value in values)
     assert used == sealing
-    # The one-time key binds the block key and the header: read under another key, or with
-    # another header, the value's tag is checked under another key, and fails.
-    used.clear()
+    # The tag binds the block key: read under another key, the same nonce fails.
     assert sealed.payload_of(encode_key(b"another block"), values[0]) is Rejection.MAC
-    assert used and used[0] not in sealing
+
+
+def test_two_writers_of_one_secret_draw_their_own_keys_and_read_each_other() -> None:
+    first, second = value_format(NAMESPACE, SECRET), value_format(NAMESPACE, SECRET)
+    encoded = encode_key(b"shared block")
+    by_first = first.frame(encoded, memoryview(b"bytes"))
+    by_second = second.frame(encoded, memoryview(b"bytes"))
+    writer_id = slice(28, 38)
+    assert by_first[writer_id] != by_second[writer_id]
+    assert bytes(cast(memoryview, second.payload_of(encoded, by_first))) == b"bytes"
+    assert bytes(cast(memoryview, first.payload_of(encoded, by_second))) == b"bytes"
+
+
+def test_a_writer_whose_counter_runs_out_draws_a_new_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvoffload.tiers import values
+
+    monkeypatch.setattr(values, "_COUNTER_END", 3)
+    sealed = value_format(NAMESPACE, SECRET)
+    encoded = encode_key(7)
+    framed = [sealed.frame(encoded, memoryview(b"x")) for _ in range(7)]
+    headers = {(value[28:38], value[38:44]) for value in framed}
+    assert len(headers) == 7
+    assert len({writer for writer, _ in headers}) == 3
+    assert all(bytes(cast(memoryview, sealed.payload_of(encoded, v))) == b"x" for v in framed)
 
 
 def test_a_key_may_nest_tuples_eight_deep_and_no_deeper() -> None:
