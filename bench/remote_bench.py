@@ -14,8 +14,9 @@ each side (the mean, read from /proc on Linux): what the store's commands cost t
 
 With a tenant secret the store seals its values (an AES-GCM tag under its writer's key,
 the payload as associated data, in place of the checksum:
-kvoffload.tiers.values.SealedFormat): the same batches through a store with a secret and one without, side by side in the same way, give the cost
-of the MAC (target: with a secret >= 85% of without); and the MACs one could have picked,
+kvoffload.tiers.values.SealedFormat): the same batches through a store with a secret and
+one without, side by side in the same way, give the cost of the MAC (target: with a secret
+>= 85% of without); and the MACs one could have picked,
 each over the same 64 KiB and 2 MiB buffers in this process (the store's whole seal, AES-GMAC
 and Poly1305 alone, keyed BLAKE2b, HMAC-SHA256, and the plain format's XXH3 checksum).
 
