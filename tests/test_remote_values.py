@@ -243,3 +243,28 @@ def test_a_key_may_nest_tuples_eight_deep_and_no_deeper() -> None:
     assert encode_key(key)
     with pytest.raises(InvalidArgumentError, match="more than 8 deep"):
         encode_key((key,))
+
+
+class _Index(int):
+    """An int subclass: encode_key's fast path for exact ints does not take it."""
+
+
+def _slow_path_twin(key: Hashable) -> Hashable:
+    if type(key) is int:
+        return _Index(key)
+    if isinstance(key, tuple):
+        return tuple(_slow_path_twin(part) for part in key)
+    return key
+
+
+_KEYS = st.recursive(
+    st.integers(min_value=-(2**80), max_value=2**80) | st.text(max_size=3) | st.binary(max_size=3),
+    lambda inner: st.tuples(inner, inner) | st.tuples(inner),
+    max_leaves=6,
+)
+
+
+@given(_KEYS)
+@settings(max_examples=300, deadline=None)
+def test_the_fast_path_for_ints_encodes_as_the_general_one(key: Hashable) -> None:
+    assert encode_key(key) == encode_key(_slow_path_twin(key))

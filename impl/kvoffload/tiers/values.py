@@ -172,6 +172,9 @@ class Namespace:
         return KEY_PREFIX + self.fingerprint.hex().encode("ascii") + b":"
 
 
+_SMALL_INT = 1 << 64
+
+
 def encode_key(key: Hashable) -> bytes:
     """The block key as bytes, the same in every process (``hash()`` of a str is not).
 
@@ -188,6 +191,20 @@ def encode_key(key: Hashable) -> bytes:
 
 
 def _encode(key: object, depth: int) -> bytes:
+    # Exact ints first: the keys engines use (ints, tuples of ints) skip the general tests.
+    if type(key) is int and -_SMALL_INT < key < _SMALL_INT:
+        return b"i%d" % key
+    if type(key) is tuple:
+        if depth >= 8:
+            raise InvalidArgumentError("a remote key nests tuples more than 8 deep")
+        pieces = []
+        for part in key:
+            if type(part) is int and -_SMALL_INT < part < _SMALL_INT:
+                encoded = b"i%d" % part
+            else:
+                encoded = _encode(part, depth + 1)
+            pieces.append(b"%d:%s" % (len(encoded), encoded))
+        return b"t" + b"".join(pieces)
     if isinstance(key, bytes):
         return b"b" + key
     if isinstance(key, str):
