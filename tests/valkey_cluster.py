@@ -18,7 +18,7 @@ READY_S = 20.0
 
 def command(server: ValkeyServer, *args: object) -> Any:
     """One admin command to one node (the client library: these are not the store's)."""
-    with valkey.Valkey(host="127.0.0.1", port=server.port, socket_timeout=2.0) as client:
+    with valkey.Valkey(host="127.0.0.1", port=server.port, socket_timeout=10.0) as client:
         return client.execute_command(*args)
 
 
