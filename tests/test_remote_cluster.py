@@ -16,6 +16,7 @@ import pytest
 from kvoffload.tiers.cluster_map import SLOTS, ClusterModeError, crc16, key_slot
 from kvoffload.tiers.cluster_store import ClusterStore
 from kvoffload.tiers.valkey_store import ValkeyStore
+from kvoffload.tiers.values import encode_key
 from tests.remote_support import assert_accounted
 from tests.valkey_cluster import ValkeyCluster, command
 from tests.valkey_server import ValkeyServer
@@ -39,7 +40,9 @@ def own_cluster() -> Iterator[ValkeyCluster]:
         yield running
 
 
-def store(cluster: ValkeyCluster, namespace: str = "cluster-test", **options: float) -> ValkeyStore:
+def store(
+    cluster: ValkeyCluster, namespace: str = "cluster-test", **options: float
+) -> ClusterStore:
     made = ValkeyStore(
         cluster.url,
         namespace=namespace,
@@ -103,6 +106,7 @@ def test_two_processes_share_values(cluster: ValkeyCluster) -> None:
     child = f"""
 import sys
 from kvoffload.tiers.valkey_store import ValkeyStore
+from kvoffload.tiers.values import encode_key
 from tests.test_remote_cluster import value
 s = ValkeyStore({cluster.url!r}, namespace="shared", cluster=True, secret={SECRET!r})
 keys = [("shared", i) for i in range(100)]
@@ -140,24 +144,21 @@ def _node_id(server: ValkeyServer) -> str:
     return found.decode() if isinstance(found, bytes) else str(found)
 
 
-def _one_key_slot(remote: ValkeyStore, prefix: str) -> tuple[tuple[str, int], int]:
-    key = (prefix, 1)
-    from kvoffload.tiers.values import encode_key
-
-    name = remote._format.server_key(encode_key(key))
-    return key, key_slot(name)
+def _server_key(remote: ValkeyStore, key: tuple[str, int]) -> bytes:
+    return remote._format.server_key(encode_key(key))
 
 
 def test_moved_and_ask_during_a_slot_migration(own_cluster: ValkeyCluster) -> None:
     with store(own_cluster) as remote:
-        key, slot = _one_key_slot(remote, "moving")
+        key = ("moving", 1)
+        name = _server_key(remote, key)
+        slot = key_slot(name)
         assert remote.put([key], [b"v" * 5000]) == [True]
         source = own_cluster.owner(slot)
         target = next(s for s in own_cluster.servers[:3] if s is not source)
         # ASK: the slot is being migrated, its key already on the target
         command(target, "CLUSTER SETSLOT", slot, "IMPORTING", _node_id(source))
         command(source, "CLUSTER SETSLOT", slot, "MIGRATING", _node_id(target))
-        name = remote._format.server_key(__import__("kvoffload").tiers.values.encode_key(key))
         command(source, "MIGRATE", "127.0.0.1", target.port, name, 0, 5000)
         got = remote.get([key])
         assert got[0] is not None and bytes(got[0]) == b"v" * 5000
@@ -173,8 +174,8 @@ def test_moved_and_ask_during_a_slot_migration(own_cluster: ValkeyCluster) -> No
         assert_accounted(stats)
         assert stats.failures == 0, stats
         slot_map = remote.slot_map
-        assert slot_map is not None and slot_map.owners[slot] is not None
-        assert slot_map.owners[slot].port == target.port
+        owner = None if slot_map is None else slot_map.owners[slot]
+        assert owner is not None and owner.port == target.port
 
 
 @pytest.mark.slow

@@ -183,6 +183,9 @@ class ClusterStore(ValkeyStore):
             finally:
                 self._io.release()
 
+    def __enter__(self) -> ClusterStore:
+        return self
+
     def __repr__(self) -> str:
         return super().__repr__().replace("ValkeyStore(", "ValkeyStore(cluster=True, ", 1)
 
