@@ -34,6 +34,7 @@ from kvoffload_spec.errors import InvalidArgumentError
 
 from .acl import COMMANDS, acl_rule
 from .address import ServerAddress, redact
+from .cluster_map import ClusterModeError
 from .connection import (
     Deadline,
     ErrorReply,
@@ -89,6 +90,8 @@ MAX_TIMEOUT_S = 3600.0
 # Error replies after which the server is left alone for retry_after_s: it says it cannot
 # serve now (loading its data, its primary down, a script running).
 _BACK_OFF = {"LOADING", "MASTERDOWN", "BUSY", "TRYAGAIN"}
+# Error replies only a cluster node sends: a store made with cluster=False is misconfigured.
+_CLUSTER_REPLIES = {"MOVED", "ASK", "CROSSSLOT", "CLUSTERDOWN"}
 
 
 class ValkeyStore:
@@ -106,17 +109,30 @@ class ValkeyStore:
     ``max_value_bytes``: the largest payload ``get`` reads (a larger value is refused
     unread; ``get_into`` reads at most its buffers' sizes) and ``put`` accepts.
     ``tls_ca_file``, ``tls_verify``: TLS options (over the URL's own).
+    ``cluster``: the URL names nodes of a Valkey Cluster (one or several, comma-separated:
+    ``redis://host:port,host:port``); see :mod:`kvoffload.tiers.cluster_store`. A store made
+    without it against a cluster node raises :class:`ClusterModeError` at its first call
+    the node answers with a redirect (``MOVED``/``CROSSSLOT``), and one made with it against
+    a server without cluster support at its first call.
 
     Nothing connects here: a server down at start is found, counted and survived by the
     first call. Thread-safe: calls from several threads take turns on the one connection;
     ``close()`` from another thread ends a call in flight at once.
     """
 
+    def __new__(cls, *args: Any, cluster: bool = False, **kwargs: Any) -> ValkeyStore:
+        if cluster is True and cls is ValkeyStore:
+            from .cluster_store import ClusterStore  # it builds on this module
+
+            return super().__new__(ClusterStore)
+        return super().__new__(cls)
+
     def __init__(
         self,
         url: str,
         *,
         namespace: str | Mapping[str, Any] | Namespace,
+        cluster: bool = False,
         secret: bytes | str | None = None,
         timeout_s: float = 0.5,
         retry_after_s: float = 1.0,
@@ -124,6 +140,9 @@ class ValkeyStore:
         tls_ca_file: str | None = None,
         tls_verify: bool | None = None,
     ) -> None:
+        if not isinstance(cluster, bool):
+            raise InvalidArgumentError(f"cluster must be a bool; got {cluster!r}")
+        self._cluster_mode = cluster
         for name, value in (("timeout_s", timeout_s), ("retry_after_s", retry_after_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidArgumentError(f"{name} must be a number of seconds")
@@ -144,7 +163,7 @@ class ValkeyStore:
             raise InvalidArgumentError(
                 f"max_value_bytes must be an int from 1 to {limit}; got {max_value_bytes!r}"
             )
-        self._address = ServerAddress.parse(url, tls_ca_file=tls_ca_file, tls_verify=tls_verify)
+        self._address = self._parse_address(url, tls_ca_file, tls_verify)
         self._namespace = Namespace.of(namespace)
         self._format = make_format(self._namespace, resolve_secret(secret))
         try:
@@ -167,6 +186,11 @@ class ValkeyStore:
         self._scratch = bytearray()  # where get_into reads a value before checking it
         # A sealed store never describes itself: its server keys hide whose they are.
         self._described = not isinstance(self._format, PlainFormat)
+
+    def _parse_address(
+        self, url: str, tls_ca_file: str | None, tls_verify: bool | None
+    ) -> ServerAddress:
+        return ServerAddress.parse(url, tls_ca_file=tls_ca_file, tls_verify=tls_verify)
 
     # -- the surface ---------------------------------------------------------------------
 
@@ -234,14 +258,7 @@ class ValkeyStore:
         The values are sent from the caller's buffers as they are when the call runs: do not
         change them until it returns.
         """
-        encoded = self._keys(keys)
-        payloads = put_payloads(values, len(encoded))
-        for i, payload in enumerate(payloads):
-            if payload.nbytes > self._max_value_bytes:
-                raise InvalidArgumentError(
-                    f"the value for key #{i} holds {payload.nbytes} bytes, over this store's "
-                    f"max_value_bytes ({self._max_value_bytes}): no get would read it back"
-                )
+        encoded, payloads = self._checked_put(keys, values)
         if not encoded:
             self._count(put_calls=1)
             return []
@@ -278,6 +295,19 @@ class ValkeyStore:
             bytes_copied=joined,
         )
         return stored
+
+    def _checked_put(
+        self, keys: Sequence[Hashable], values: Sequence[Payload]
+    ) -> tuple[list[bytes], list[memoryview]]:
+        encoded = self._keys(keys)
+        payloads = put_payloads(values, len(encoded))
+        for i, payload in enumerate(payloads):
+            if payload.nbytes > self._max_value_bytes:
+                raise InvalidArgumentError(
+                    f"the value for key #{i} holds {payload.nbytes} bytes, over this store's "
+                    f"max_value_bytes ({self._max_value_bytes}): no get would read it back"
+                )
+        return encoded, payloads
 
     def _describe_namespace(self, deadline: Deadline) -> None:
         """Write the namespace's description under ``kvo1:<fingerprint>:#description``, once
@@ -576,6 +606,14 @@ class ValkeyStore:
         errors = [reply for reply in replies if isinstance(reply, ErrorReply)]
         if not errors:
             return
+        redirected = [error for error in errors if error.kind in _CLUSTER_REPLIES]
+        if redirected:
+            # A cluster node: every call would fail on MOVED. No command of its own is
+            # needed to find out (an ACL user may send none): the first call's replies say.
+            raise ClusterModeError(
+                f"{self._address.url} is a cluster node ({redirected[0].message}): make the "
+                "store with cluster=True"
+            )
         if any(error.kind in _BACK_OFF for error in errors):
             self._down_until = time.monotonic() + self._retry_after_s
         self._note_failure("server_errors", f"{errors[0].kind}: {errors[0].message}")
@@ -633,4 +671,11 @@ def _batches(payloads: list[memoryview]) -> list[tuple[int, int]]:
     return spans
 
 
-__all__ = ["COMMANDS", "DEFAULT_MAX_VALUE_BYTES", "ValkeyStore", "acl_rule", "redact"]
+__all__ = [
+    "COMMANDS",
+    "DEFAULT_MAX_VALUE_BYTES",
+    "ClusterModeError",
+    "ValkeyStore",
+    "acl_rule",
+    "redact",
+]
