@@ -41,6 +41,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a Unix tool killed by a closed pip
 NEEDS = {
     "remote_mode": "remote",
     "remote_secret_file": "remote",
+    "remote_cluster": "remote",
     "disk_bytes": "disk",
     "disk_admission": "disk",
 }
@@ -209,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
         "once; its final newline is not part of it): values are sealed and server keys "
         "derived from it, so nobody without it can forge a block or see which are cached; "
         "without this flag, $KVOFFLOAD_REMOTE_SECRET if set (default: no secret)",
+    )
+    simulate.add_argument(
+        "--remote-cluster",
+        action="store_true",
+        help="with --remote: the URL names nodes of a Valkey Cluster (one or several, "
+        "comma-separated: redis://host:port,host:port); blocks go to their slots' primaries "
+        "and follow failovers",
     )
     simulate.add_argument(
         "--remote-mode",
@@ -525,7 +533,11 @@ def _run_simulate_shared(
             return _fail(args, str(error))
         except InvalidArgumentError as error:  # names the file or the variable, never bytes
             return _fail(args, str(error))
-        _check_remote_answers(args.remote)
+        try:
+            _check_remote_answers(args.remote, cluster=args.remote_cluster)
+        except InvalidArgumentError as error:  # --remote-cluster, or not, against the other
+            flag = "without --remote-cluster" if args.remote_cluster else "add --remote-cluster"
+            return _fail(args, f"{error} ({flag})")
     console = output.console(stderr=True)
     try:
         with output.progress(console, enabled=not args.json) as progress:
@@ -535,6 +547,7 @@ def _run_simulate_shared(
                 config,
                 instances=args.instances,
                 remote_url=args.remote,
+                remote_cluster=args.remote_cluster,
                 remote_mode=args.remote_mode,
                 remote_secret=secret,
                 disk=disk,
@@ -551,7 +564,10 @@ def _run_simulate_shared(
     if args.json:
         output.print_json(shared.to_json())
     else:
-        output.show_shared_simulation(trace, shared, shared.remote_url, args.disk)
+        remote = shared.remote_url
+        if remote is not None and args.remote_cluster:
+            remote += " (a Valkey Cluster)"
+        output.show_shared_simulation(trace, shared, remote, args.disk)
     _warn_tier_failures(args, shared.total)
     if not shared.all_loads_verified:
         wrong = sum(report.load_mismatches for report in shared.engines)
@@ -590,13 +606,19 @@ def _remote_secret(args: argparse.Namespace) -> bytes | None:
     return secret
 
 
-def _check_remote_answers(url: str) -> None:
+def _check_remote_answers(url: str, *, cluster: bool) -> None:
     """Say at once, on stderr, when the remote tier does not answer: the run still goes on
     (a store survives a server that is down), but its remote column would be all misses."""
     from kvoffload.tiers import ValkeyStore
 
-    with ValkeyStore(url, namespace="kvoffload simulate: ping") as probe:
-        if not probe.ping():
+    with ValkeyStore(url, namespace="kvoffload simulate: ping", cluster=cluster) as probe:
+        answers = probe.ping()
+        if answers:
+            # A cluster node answers PING like any server; one MGET of keys in several slots
+            # tells (CROSSSLOT), wherever the slots are: a store of the wrong mode raises
+            # its ClusterModeError here, before the run.
+            probe.get([f"cluster mode? {n}" for n in range(4)])
+        else:
             print(
                 f"kvoffload simulate: warning: the remote tier does not answer "
                 f"({probe.stats().last_error}); the run goes on without it",

@@ -224,12 +224,14 @@ def simulate_shared(
     metrics_port: int | None = None,
     remote_secret: bytes | str | None = None,
     disk: DiskTierConfig | None = None,
+    remote_cluster: bool = False,
 ) -> SharedSimulationReport:
     """``instances`` engines, request ``i`` of ``trace`` served by engine ``i mod instances``,
     each with the sizes of ``config`` and, with ``remote_url``, all writing back to and
     fetching from one Valkey/Redis server (a fresh namespace per run: another run's blocks
     are never read). With ``remote_secret`` (else ``$KVOFFLOAD_REMOTE_SECRET``, if set) the
-    values are sealed. A server down or failing counts failures; the run goes on locally.
+    values are sealed. With ``remote_cluster``, ``remote_url`` names nodes of a Valkey
+    Cluster. A server down or failing counts failures; the run goes on locally.
     """
     check_count("instances", instances)
     from kvoffload.offloader import REMOTE_MODES
@@ -257,7 +259,9 @@ def simulate_shared(
             "run": uuid.uuid4().hex,
         }
         stores = [
-            ValkeyStore(remote_url, namespace=namespace, secret=remote_secret)
+            ValkeyStore(
+                remote_url, namespace=namespace, secret=remote_secret, cluster=remote_cluster
+            )
             for _ in range(instances)
         ]
     disks = _open_disks(disk, trace, config, instances)
