@@ -122,6 +122,8 @@ def test_the_environments_secret_and_a_server_down(
         ({"remote_secret": SECRET, "remote_secret_file": "/x"}, "not both"),
         ({"remote_url": None, "remote_secret": SECRET}, "need remote_url"),
         ({"remote_url": "http://not-valkey"}, "URL"),
+        ({"remote_url": None, "cluster": True}, "need remote_url"),
+        ({"cluster": "yes"}, "cluster must be a bool"),
     ],
 )
 def test_bad_remote_options_fail_when_sglang_builds_the_back_end(

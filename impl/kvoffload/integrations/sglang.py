@@ -74,8 +74,8 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             self._remote_secret = resolve_secret(
                 extra.get("remote_secret"), extra.get("remote_secret_file")
             )
-        elif any(name.startswith("remote_") for name in extra):
-            raise InvalidArgumentError("the remote_* options need remote_url")
+        elif "cluster" in extra or any(name.startswith("remote_") for name in extra):
+            raise InvalidArgumentError("the remote_* options and cluster need remote_url")
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -110,7 +110,15 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
                     namespace=self._namespace(page_bytes, page.dtype),
                     secret=self._remote_secret,
                     timeout_s=float(extra.get("remote_timeout_s", 0.5)),
+                    cluster=extra.get("cluster", False),
                 )
+                try:
+                    # A server of the other mode than "cluster" says stops the start here.
+                    self._remote.check_mode()
+                except InvalidArgumentError:
+                    self._remote.close()
+                    self._remote = None
+                    raise
 
     def _namespace(self, page_bytes: int, dtype: torch.dtype) -> Namespace:
         """What a page's bytes depend on: SGLang's keys hash tokens only, so the model and

@@ -11,6 +11,7 @@
             "namespace": {"deployment": "chat-v3"},  # optional, added to the derived one
             "secret_file": "/run/secrets/kvoffload",  # optional: sealed values
             "timeout_s": 0.5,  # optional
+            "cluster": False,  # optional: True when url names nodes of a Valkey Cluster
         }],
     }
 
@@ -191,6 +192,7 @@ class KvoffloadValkeyTier(SecondaryTierManager):
         retry_after_s: float = 1.0,
         max_pending_jobs: int = 64,
         backpressure_detector: BackpressureDetector | None = None,
+        cluster: bool = False,
     ) -> None:
         super().__init__(
             offloading_spec=offloading_spec,
@@ -208,11 +210,20 @@ class KvoffloadValkeyTier(SecondaryTierManager):
             "secret": resolve_secret(secret, secret_file),
             "timeout_s": timeout_s,
             "retry_after_s": retry_after_s,
+            "cluster": cluster,
         }
         # Two connections: a lookup batch never waits behind a chunk transfer. (Made before
         # any view of vLLM's pool: a bad setting raises with nothing of the pool held.)
         store = ValkeyStore(url, **options)
         lookup_store = ValkeyStore(url, **options)
+        try:
+            # A cluster node for a tier made without "cluster" (or the other way round)
+            # stops vLLM's start here, in one line, rather than failing every transfer.
+            lookup_store.check_mode()
+        except InvalidArgumentError:
+            store.close()
+            lookup_store.close()
+            raise
         self._attach(
             store,
             lookup_store,

@@ -349,6 +349,20 @@ class ValkeyStore:
 
         return bool(self._call(_once(pack(b"PING", [])), read, Deadline(self._timeout_s)))
 
+    def check_mode(self) -> bool:
+        """Contact the server once and raise :class:`ClusterModeError` if it is not what the
+        store was told (a cluster node for a store made without ``cluster=True``, or the
+        other way round), so that a misconfiguration stops an engine's start rather than
+        failing every call. Whether the server answered (one that does not is no error:
+        the store survives it, counted, and the mode is found at its first answer).
+        """
+        answers = self.ping()
+        if answers:
+            # A cluster node answers PING like any server; one MGET of keys in several slots
+            # is refused (CROSSSLOT) by every node, wherever those slots are.
+            self.get([("kvoffload cluster mode?", n) for n in range(4)])
+        return answers
+
     def stats(self) -> RemoteStats:
         with self._counting:
             down = time.monotonic() < self._down_until
