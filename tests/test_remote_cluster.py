@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvoffload.tiers.acl import acl_rule
 from kvoffload.tiers.cluster_map import SLOTS, ClusterModeError, crc16, key_slot
 from kvoffload.tiers.cluster_store import ClusterStore
 from kvoffload.tiers.valkey_store import ValkeyStore
@@ -242,3 +243,18 @@ def test_the_whole_cluster_down_then_back(own_cluster: ValkeyCluster) -> None:
 
 def test_slot_count() -> None:
     assert SLOTS == 16384
+
+
+def test_a_least_privilege_user_on_every_node(own_cluster: ValkeyCluster) -> None:
+    with store(own_cluster, namespace="acl") as probe:
+        prefix = probe.key_prefix
+    rule = acl_rule("tenant", "tenant-password-123", prefix, cluster=True)
+    for server in own_cluster.servers:
+        command(server, *rule.split())
+    ports = ",".join(f"127.0.0.1:{s.port}" for s in own_cluster.servers[:1])
+    url = f"redis://tenant:tenant-password-123@{ports}"
+    with ValkeyStore(url, namespace="acl", cluster=True, secret=SECRET) as remote:
+        keys = [("acl", i) for i in range(50)]
+        assert remote.put(keys, [value(i) for i in range(50)]) == [True] * 50
+        assert [bytes(v or b"") for v in remote.get(keys)] == [value(i) for i in range(50)]
+        assert remote.stats().failures == 0, remote.stats()
