@@ -258,3 +258,27 @@ def test_a_least_privilege_user_on_every_node(own_cluster: ValkeyCluster) -> Non
         assert remote.put(keys, [value(i) for i in range(50)]) == [True] * 50
         assert [bytes(v or b"") for v in remote.get(keys)] == [value(i) for i in range(50)]
         assert remote.stats().failures == 0, remote.stats()
+
+
+def test_a_hung_primary_costs_the_deadline_not_the_others_hits(own_cluster: ValkeyCluster) -> None:
+    keys = [("hung", i) for i in range(120)]
+    values = [value(i) for i in range(120)]
+    with store(own_cluster) as remote:
+        assert all(remote.put(keys, values))
+        victim = own_cluster.servers[1]
+        victim.pause()
+        try:
+            started = time.monotonic()
+            got = remote.get(keys)
+            took = time.monotonic() - started
+        finally:
+            victim.resume()
+        assert took <= TIMEOUT_S + MARGIN_S
+        hits = [g is not None for g in got]
+        assert 0 < sum(hits) < len(keys)  # the two others' keys, read while it hung
+        assert all(bytes(g) == v for g, v in zip(got, values, strict=True) if g is not None)
+        stats = remote.stats()
+        assert stats.timeouts == 1 and stats.failures == 1, stats
+        assert_accounted(stats)
+        time.sleep(0.15)  # past retry_after_s
+        assert [bytes(g or b"") for g in remote.get(keys)] == values
