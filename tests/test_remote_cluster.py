@@ -189,6 +189,8 @@ def test_a_primary_killed_mid_run(own_cluster: ValkeyCluster) -> None:
             # every value on the replicas too (a replica just attached may still be syncing)
             assert command(server, "WAIT", 1, 8000) == 1
         victim = own_cluster.servers[0]
+        replica = own_cluster.replica_of(victim)
+        assert command(replica, "DBSIZE") == command(victim, "DBSIZE")
         victim.kill()
         killed_at = time.monotonic()
         slowest = 0.0
