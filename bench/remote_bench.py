@@ -619,7 +619,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the JSON instead")
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     parser.add_argument("--out", type=Path, default=None, help="where to write the JSON")
+    parser.add_argument(
+        "--cluster", action="store_true", help="on a 3+3 Valkey Cluster (bench/cluster_bench.py)"
+    )
     args = parser.parse_args(argv)
+    if args.cluster:
+        import cluster_bench  # beside this file
+
+        return cluster_bench.main(["--quick"] if args.quick else [])
     result = run(args.quick)
     text = json.dumps(result, indent=2)
     out: Path = args.out or RESULTS / ("remote-quick.json" if args.quick else "remote.json")

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvoffload.tiers.acl import acl_rule
 from kvoffload.tiers.cluster_map import SLOTS, ClusterModeError, crc16, key_slot
 from kvoffload.tiers.cluster_store import ClusterStore
 from kvoffload.tiers.valkey_store import ValkeyStore
@@ -188,6 +189,8 @@ def test_a_primary_killed_mid_run(own_cluster: ValkeyCluster) -> None:
             # every value on the replicas too (a replica just attached may still be syncing)
             assert command(server, "WAIT", 1, 8000) == 1
         victim = own_cluster.servers[0]
+        replica = own_cluster.replica_of(victim)
+        assert command(replica, "DBSIZE") == command(victim, "DBSIZE")
         victim.kill()
         killed_at = time.monotonic()
         slowest = 0.0
@@ -242,3 +245,42 @@ def test_the_whole_cluster_down_then_back(own_cluster: ValkeyCluster) -> None:
 
 def test_slot_count() -> None:
     assert SLOTS == 16384
+
+
+def test_a_least_privilege_user_on_every_node(own_cluster: ValkeyCluster) -> None:
+    with store(own_cluster, namespace="acl") as probe:
+        prefix = probe.key_prefix
+    rule = acl_rule("tenant", "tenant-password-123", prefix, cluster=True)
+    for server in own_cluster.servers:
+        command(server, *rule.split())
+    ports = ",".join(f"127.0.0.1:{s.port}" for s in own_cluster.servers[:1])
+    url = f"redis://tenant:tenant-password-123@{ports}"
+    with ValkeyStore(url, namespace="acl", cluster=True, secret=SECRET) as remote:
+        keys = [("acl", i) for i in range(50)]
+        assert remote.put(keys, [value(i) for i in range(50)]) == [True] * 50
+        assert [bytes(v or b"") for v in remote.get(keys)] == [value(i) for i in range(50)]
+        assert remote.stats().failures == 0, remote.stats()
+
+
+def test_a_hung_primary_costs_the_deadline_not_the_others_hits(own_cluster: ValkeyCluster) -> None:
+    keys = [("hung", i) for i in range(120)]
+    values = [value(i) for i in range(120)]
+    with store(own_cluster) as remote:
+        assert all(remote.put(keys, values))
+        victim = own_cluster.servers[1]
+        victim.pause()
+        try:
+            started = time.monotonic()
+            got = remote.get(keys)
+            took = time.monotonic() - started
+        finally:
+            victim.resume()
+        assert took <= TIMEOUT_S + MARGIN_S
+        hits = [g is not None for g in got]
+        assert 0 < sum(hits) < len(keys)  # the two others' keys, read while it hung
+        assert all(bytes(g) == v for g, v in zip(got, values, strict=True) if g is not None)
+        stats = remote.stats()
+        assert stats.timeouts == 1 and stats.failures == 1, stats
+        assert_accounted(stats)
+        time.sleep(0.15)  # past retry_after_s
+        assert [bytes(g or b"") for g in remote.get(keys)] == values

@@ -33,6 +33,8 @@ class ValkeyCluster:
                 cluster_enabled="yes",
                 cluster_node_timeout=str(node_timeout_ms),
                 cluster_port=str(free_port()),
+                # a replica's first sync at once (the default waits 5 s for more replicas)
+                repl_diskless_sync_delay="0",
             )
             for _ in range(primaries * (1 + replicas_each))
         ]
@@ -62,6 +64,9 @@ class ValkeyCluster:
             )
             command(replica, "CLUSTER REPLICATE", node_id)
         self.wait_ok()
+        for replica in self.servers[self.primary_count :]:
+            # Its first full sync over: before that, WAIT may count it while it holds nothing.
+            self._until(lambda r=replica: _synced(r), f"{replica.port}'s first sync")
         return self
 
     def wait_ok(self) -> None:
@@ -118,6 +123,13 @@ class ValkeyCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _synced(server: ValkeyServer) -> bool:
+    info = command(server, "INFO", "replication")
+    if isinstance(info, dict):
+        return info.get("master_link_status") == "up" and not info.get("master_sync_in_progress")
+    return b"master_link_status:up" in info and b"master_sync_in_progress:0" in info
 
 
 def _knows(server: ValkeyServer, node_id: bytes | str) -> bool:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvoffload.tiers.background import RemoteJob as RemoteJob
     from kvoffload.tiers.background import RemoteTier as RemoteTier
     from kvoffload.tiers.background import RemoteTierStats as RemoteTierStats
+    from kvoffload.tiers.cluster_map import ClusterModeError as ClusterModeError
     from kvoffload.tiers.disk_layout import DiskInUseError as DiskInUseError
     from kvoffload.tiers.disk_layout import DiskLayoutError as DiskLayoutError
     from kvoffload.tiers.disk_stats import DiskStats as DiskStats
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SECRET_ENV",
+    "ClusterModeError",
     "DiskInUseError",
     "DiskLayoutError",
     "DiskStats",
@@ -61,6 +63,7 @@ __all__ = [
 ]
 
 _LAZY: dict[str, str] = {
+    "ClusterModeError": "kvoffload.tiers.cluster_map",
     "DiskInUseError": "kvoffload.tiers.disk_layout",
     "DiskLayoutError": "kvoffload.tiers.disk_layout",
     "DiskStats": "kvoffload.tiers.disk_stats",

@@ -28,11 +28,12 @@ An ACL user needs ``+cluster|nodes`` and ``+asking`` on top of the single-server
 from __future__ import annotations
 
 import os
+import selectors
 import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -404,7 +405,7 @@ class ClusterStore(ValkeyStore):
         if skipped:
             self._count(skipped=skipped)
         again: list[_Command] = []
-        for node, link, group, opened in sent:
+        for node, link, group, opened in _as_ready(sent, deadline):
             again += self._replies(node, link, group, deadline, opened, final)
         return again
 
@@ -562,6 +563,34 @@ class ClusterStore(ValkeyStore):
                 for owner in set(found.owners)
             )
             return
+
+
+_Sent = tuple[_Node, Link, list[_Command], bool]
+
+
+def _as_ready(sent: list[_Sent], deadline: Deadline) -> Iterator[_Sent]:
+    """The nodes sent to, those whose replies have come first: a node that hangs costs the
+    call its deadline, but not the replies the others have sent meanwhile (read in the
+    order sent, they would wait behind it and find the deadline passed)."""
+    remaining = list(sent)
+    if len(remaining) < 2:
+        yield from remaining
+        return
+    with selectors.DefaultSelector() as selector:
+        for entry in remaining:
+            selector.register(entry[1].sock, selectors.EVENT_READ, entry)
+        while remaining:
+            ready = [entry for entry in remaining if entry[1].buffered()]
+            if not ready:
+                left = deadline.at - time.monotonic()
+                if left > 0:
+                    found = {id(key.data) for key, _ in selector.select(left)}
+                    ready = [entry for entry in remaining if id(entry) in found]
+                ready = ready or list(remaining)  # the deadline passed: each fails, counted
+            for entry in ready:
+                remaining.remove(entry)
+                selector.unregister(entry[1].sock)
+                yield entry
 
 
 def _by_slot(names: list[bytes]) -> dict[int, list[int]]:

@@ -166,6 +166,13 @@ class Link:
             if reply != b"OK":
                 raise ProtocolError(f"{reply!r:.40} where OK was expected")
 
+    def buffered(self) -> bool:
+        """Whether reply bytes are already here, read from the socket (or held by TLS): a
+        wait for the socket to be readable would not see them."""
+        if self._end > self._start:
+            return True
+        return isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
+
     def shutdown(self) -> None:
         """End the connection from any thread: a call blocked on it returns at once. The
         socket itself is closed by its user (never under another thread's feet)."""
