@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -132,3 +132,17 @@ class Engine:
 
     def close(self) -> None:
         self.offloader.close(timeout=30)
+
+
+# A short slice of the bundled trace for `kvoffload simulate` against a server or a cluster.
+SIMULATE_SLICE = ["--trace", "conversation", "--requests", "300", "--gpu-blocks", "256"]
+SIMULATE_SMALL = [*SIMULATE_SLICE, "--cpu-blocks", "400", "--block-bytes", "1KiB", "--json"]
+
+
+def simulation_adds_up(report: dict[str, Any]) -> None:
+    """One engine's (or the total's) `simulate --json` figures are consistent and exact."""
+    remote = report.get("remote", {"hits": 0})
+    hits = report["device_hits"] + report["cpu_hits"] + remote["hits"]
+    assert hits + report["misses"] == report["block_refs"]
+    assert report["blocks_loaded"] == report["cpu_hits"] + remote["hits"]
+    assert report["all_loads_verified"] is True and report["load_mismatches"] == 0

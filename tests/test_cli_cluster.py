@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import run_cli as run
-from tests.test_simulate_remote import SMALL, adds_up
+from tests.remote_support import SIMULATE_SMALL as SMALL
+from tests.remote_support import simulation_adds_up as adds_up
 from tests.valkey_cluster import ValkeyCluster
 from tests.valkey_server import ValkeyServer
 

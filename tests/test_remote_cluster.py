@@ -108,7 +108,8 @@ def test_two_processes_share_values(cluster: ValkeyCluster) -> None:
 import sys
 from kvoffload.tiers.valkey_store import ValkeyStore
 from kvoffload.tiers.values import encode_key
-from tests.test_remote_cluster import value
+def value(i: int, size: int = 3000) -> bytes:
+    return (i.to_bytes(4, "little") * (size // 4 + 1))[: size + i % 17]
 s = ValkeyStore({cluster.url!r}, namespace="shared", cluster=True, secret={SECRET!r})
 keys = [("shared", i) for i in range(100)]
 got = s.get(keys)

@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 
 from tests.helpers import run_cli as run
+from tests.remote_support import SIMULATE_SLICE as SLICE
+from tests.remote_support import SIMULATE_SMALL as SMALL
+from tests.remote_support import simulation_adds_up as adds_up
 from tests.valkey_server import ValkeyServer, free_port
 
 pytestmark = pytest.mark.slow  # whole simulations on a server: the full gate only
 
-SLICE = ["--trace", "conversation", "--requests", "300", "--gpu-blocks", "256"]
-SMALL = [*SLICE, "--cpu-blocks", "400", "--block-bytes", "1KiB", "--json"]
 
 # The fields of `simulate --json` before the remote tier existed: still exactly these.
 LOCAL_FIELDS = {
@@ -32,14 +33,6 @@ def shared(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any
     assert (code, err) == (0, "")
     report: dict[str, Any] = json.loads(out)
     return report
-
-
-def adds_up(report: dict[str, Any]) -> None:
-    remote = report.get("remote", {"hits": 0})
-    hits = report["device_hits"] + report["cpu_hits"] + remote["hits"]
-    assert hits + report["misses"] == report["block_refs"]
-    assert report["blocks_loaded"] == report["cpu_hits"] + remote["hits"]
-    assert report["all_loads_verified"] is True and report["load_mismatches"] == 0
 
 
 @pytest.mark.parametrize("mode", ["write-back", "write-through"])
