@@ -368,20 +368,23 @@ class ClusterStore(ValkeyStore):
 
     def _round(self, commands: list[_Command], deadline: Deadline, final: bool) -> list[_Command]:
         grouped: dict[Endpoint, list[_Command]] = {}
+        orphans = False
         for command in commands:
             to = command.to
             if to is None and self._map is not None:
                 to = self._map.owners[command.slot]
             if to is None:
-                continue  # no node serves the slot now (or no map yet): unavailable
+                orphans = True  # no node serves the slot now (or no map yet): unavailable
+                continue
             grouped.setdefault(to, []).append(command)
         sent: list[tuple[_Node, Link, list[_Command], bool]] = []
-        skipped = 0
+        skipped = int(orphans)
         for to, group in grouped.items():
             node = self._node(to)
             if time.monotonic() < node.down_until:
                 skipped += 1
                 continue
+            opened = True  # until the link is found: a reset while connecting is no retry
             try:
                 link, opened = self._node_link(node, deadline)
                 self._send(link, group, deadline)
