@@ -64,6 +64,30 @@ def valkey_stores(store_class: type[ValkeyStore] = ValkeyStore) -> Iterator[Stor
 
 
 @contextmanager
+def valkey_cluster_stores() -> Iterator[StoreMaker]:
+    """Cluster stores (``cluster=True``) on a real 3-primary Valkey Cluster of their own
+    (no replicas: the contract is about values, not failover; tests/test_remote_cluster.py
+    has those)."""
+    from tests.valkey_cluster import ValkeyCluster
+
+    with ValkeyCluster(replicas_each=0) as cluster:
+        made: list[RemoteStore] = []
+
+        def make(namespace: str | Mapping[str, Any] | Namespace | None = None) -> RemoteStore:
+            store = ValkeyStore(
+                cluster.url, namespace=namespace or LAYOUT, cluster=True, timeout_s=10
+            )
+            made.append(store)
+            return store
+
+        try:
+            yield make
+        finally:
+            for store in made:
+                store.close()
+
+
+@contextmanager
 def disk_stores() -> Iterator[StoreMaker]:
     """Disk stores in a temporary directory: one directory per namespace (a disk tier holds
     one namespace's blocks), and "another store on the same storage" is the same one while
@@ -102,6 +126,7 @@ DISK_BLOCK_BYTES = 256 << 10
 
 STORES: tuple[StoreFactory, ...] = (
     StoreFactory("valkey", valkey_stores),
+    StoreFactory("valkey-cluster", valkey_cluster_stores),
     StoreFactory("disk", disk_stores),
 )
 """Every store the contract is run on."""

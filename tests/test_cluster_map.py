@@ -114,3 +114,18 @@ def test_an_oversized_map_is_a_protocol_error(hostile: int) -> None:
         stats = remote.stats()
         assert stats.protocol_errors == 1 and stats.unavailable == 5, stats
         assert_accounted(stats)
+
+
+def test_no_seed_answers() -> None:
+    from tests.valkey_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    with ValkeyStore(url, namespace="x", cluster=True, retry_after_s=60) as remote:
+        keys = [("a", i) for i in range(5)]
+        assert remote.get(keys) == [None] * 5
+        assert remote.put(keys, [b"v"] * 5) == [False] * 5
+        assert remote.contains(keys) == [False] * 5 and not remote.ping()
+        stats = remote.stats()
+        assert stats.connection_errors == 2 and stats.failures == 2, stats  # each seed once
+        assert stats.unavailable == 5 and stats.keys_not_stored == 5
+        assert_accounted(stats)

@@ -82,8 +82,8 @@ _ReadOne = Callable[[Link, Deadline], ErrorReply | None]
 
 
 class _Drop(Exception):
-    """A reply left unread (a value over the call's limit): the connection goes, the
-    node's commands not yet read are unavailable; not a failure of the node."""
+    """A reply left unread (a value over the call's limit): the connection goes (not a
+    failure of the node), the keys not yet read are asked again on a new one."""
 
 
 @dataclass(eq=False)
@@ -95,6 +95,9 @@ class _Command:
     read: _ReadOne
     to: Endpoint | None = None  # where a redirect sent it (else the slot's owner)
     asking: bool = False
+    redirected: bool = False  # a second redirect fails it
+    # After a _Drop: the command for the keys it had not read yet (None: it read them all).
+    rest: Callable[[], _Command | None] | None = None
 
 
 @dataclass(eq=False)
@@ -208,7 +211,21 @@ class ClusterStore(ValkeyStore):
         answered = [False] * len(encoded)
         taken = 0
 
-        def reader(indices: list[int]) -> _ReadOne:
+        def mget(slot: int, indices: list[int]) -> _Command:
+            position = [0]  # the keys of indices read so far
+
+            def rest() -> _Command | None:
+                left = indices[position[0] :]
+                return mget(slot, left) if left else None
+
+            return _Command(
+                slot,
+                _once(pack(b"MGET", [names[i] for i in indices])),
+                reader(indices, position),
+                rest=rest,
+            )
+
+        def reader(indices: list[int], position: list[int]) -> _ReadOne:
             def read(link: Link, deadline: Deadline) -> ErrorReply | None:
                 nonlocal taken
                 count = link.array_header(deadline)
@@ -219,6 +236,7 @@ class ClusterStore(ValkeyStore):
                 for index in indices:
                     value = link.bulk(deadline, limits[index], into)
                     answered[index] = True
+                    position[0] += 1
                     if isinstance(value, Oversized):
                         counts["rejected"] += 1
                         counts["rejected_length"] += 1
@@ -241,10 +259,7 @@ class ClusterStore(ValkeyStore):
 
             return read
 
-        commands = [
-            _Command(slot, _once(pack(b"MGET", [names[i] for i in indices])), reader(indices))
-            for slot, indices in _by_slot(names).items()
-        ]
+        commands = [mget(slot, indices) for slot, indices in _by_slot(names).items()]
         try:
             self._run(commands, deadline)
         finally:
@@ -353,11 +368,12 @@ class ClusterStore(ValkeyStore):
             self._check_open()
             try:
                 self._refresh_if_stale(deadline)
-                pending = commands
-                for final in (False, True):
-                    pending = self._round(pending, deadline, final)
-                    if not pending:
-                        break
+                # Rounds end: a command is redirected once at most, sent again after a dead
+                # idle link only in the first round, and continued after a _Drop only with
+                # a key fewer (and the deadline bounds them all).
+                pending, final = commands, False
+                while pending:
+                    pending, final = self._round(pending, deadline, final), True
             except BaseException:
                 # Not the cluster's doing (an interrupt, a bug): commands may be half sent.
                 self._pool.close()
@@ -368,20 +384,23 @@ class ClusterStore(ValkeyStore):
 
     def _round(self, commands: list[_Command], deadline: Deadline, final: bool) -> list[_Command]:
         grouped: dict[Endpoint, list[_Command]] = {}
+        orphans = False
         for command in commands:
             to = command.to
             if to is None and self._map is not None:
                 to = self._map.owners[command.slot]
             if to is None:
-                continue  # no node serves the slot now (or no map yet): unavailable
+                orphans = True  # no node serves the slot now (or no map yet): unavailable
+                continue
             grouped.setdefault(to, []).append(command)
         sent: list[tuple[_Node, Link, list[_Command], bool]] = []
-        skipped = 0
+        skipped = int(orphans)
         for to, group in grouped.items():
             node = self._node(to)
             if time.monotonic() < node.down_until:
                 skipped += 1
                 continue
+            opened = True  # until the link is found: a reset while connecting is no retry
             try:
                 link, opened = self._node_link(node, deadline)
                 self._send(link, group, deadline)
@@ -450,9 +469,13 @@ class ClusterStore(ValkeyStore):
                 if error is None:
                     continue
                 redirect = parse_redirect(error.message)
-                if error.kind in ("MOVED", "ASK") and redirect is not None and not final:
+                if error.kind in ("MOVED", "ASK") and redirect is not None:
+                    if command.redirected:
+                        errors.append(error)
+                        continue
                     slot, to = redirect
                     command.to, command.asking = to, error.kind == "ASK"
+                    command.redirected = True
                     if error.kind == "MOVED" and self._map is not None:
                         self._map = self._map.moved(slot, to)
                         self._stale = True
@@ -461,6 +484,13 @@ class ClusterStore(ValkeyStore):
                 errors.append(error)
         except _Drop:
             node.held.close()
+            current = group[done]
+            follow = current.rest() if current.rest is not None else None
+            if follow is not None:
+                follow.to, follow.asking = current.to, current.asking
+                follow.redirected = current.redirected
+                again.append(follow)
+            again += group[done + 1 :]
         except ServerClosed as error:
             if opened or final or link.received != received or done:
                 self._node_failed(node, "connection_errors", error)
