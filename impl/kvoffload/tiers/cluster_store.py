@@ -69,8 +69,9 @@ from .valkey_store import (
     ValkeyStore,
     _batches,
     _describe,
+    checked_value,
 )
-from .values import Namespace, Rejection
+from .values import Namespace
 
 # The map is read again at most this often while it is stale (a node down for a while
 # would otherwise cost every call a CLUSTER NODES round trip).
@@ -241,20 +242,9 @@ class ClusterStore(ValkeyStore):
                         counts["rejected"] += 1
                         counts["rejected_length"] += 1
                         raise _Drop
-                    if value is None:
-                        counts["misses"] += 1
-                        continue
-                    payload = self._format.payload_of(encoded[index], value)
-                    if isinstance(payload, Rejection):
-                        counts["rejected"] += 1
-                        counts[f"rejected_{payload.value}"] += 1
-                    elif accept(index, payload):
-                        counts["hits"] += 1
-                        counts["bytes_received"] += payload.nbytes
-                        taken += payload.nbytes
-                    else:
-                        counts["rejected"] += 1
-                        counts["rejected_length"] += 1
+                    taken += checked_value(
+                        self._format, encoded[index], value, index, accept, counts
+                    )
                 return None
 
             return read

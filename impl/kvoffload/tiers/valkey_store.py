@@ -56,6 +56,7 @@ from .values import (
     Namespace,
     PlainFormat,
     Rejection,
+    ValueFormat,
     encode_key,
     put_payloads,
     writable_buffers,
@@ -451,20 +452,7 @@ class ValkeyStore:
                     counts["rejected_length"] += 1
                     self._held.close()  # its bytes stay unread: the connection goes with them
                     return
-                if value is None:
-                    counts["misses"] += 1
-                    continue
-                payload = self._format.payload_of(encoded[index], value)
-                if isinstance(payload, Rejection):
-                    counts["rejected"] += 1
-                    counts[f"rejected_{payload.value}"] += 1
-                elif accept(index, payload):
-                    counts["hits"] += 1
-                    counts["bytes_received"] += payload.nbytes
-                    taken += payload.nbytes
-                else:
-                    counts["rejected"] += 1
-                    counts["rejected_length"] += 1
+                taken += checked_value(self._format, encoded[index], value, index, accept, counts)
 
         try:
             while position[0] < len(encoded):
@@ -646,6 +634,34 @@ class ValkeyStore:
     def _count(self, **deltas: int) -> None:
         with self._counting:
             self._counts.update(deltas)
+
+
+def checked_value(
+    value_format: ValueFormat,
+    encoded_key: bytes,
+    value: memoryview | bytes | None,
+    index: int,
+    accept: Callable[[int, memoryview], bool],
+    counts: Counter[str],
+) -> int:
+    """Check one value read under ``encoded_key`` (None: a miss), hand its payload to
+    ``accept`` if it is this key's, count what it was; the payload bytes taken."""
+    if value is None:
+        counts["misses"] += 1
+        return 0
+    payload = value_format.payload_of(encoded_key, value)
+    if isinstance(payload, Rejection):
+        counts["rejected"] += 1
+        counts[f"rejected_{payload.value}"] += 1
+        return 0
+    if accept(index, payload):
+        counts["hits"] += 1
+        taken: int = payload.nbytes
+        counts["bytes_received"] += taken
+        return taken
+    counts["rejected"] += 1  # a payload of the wrong size for its buffer
+    counts["rejected_length"] += 1
+    return 0
 
 
 class _Answered(Exception):
