@@ -21,6 +21,7 @@ import valkey
 
 from kvoffload.tiers import ValkeyStore
 from kvoffload.tiers.values import encode_key
+from tests.planted import CALL_DEADLINE, Planted, share
 from tests.remote_proxies import FakeServer, TrickleProxy
 from tests.remote_support import (
     LAYOUT,
@@ -60,28 +61,47 @@ def timed(call: Callable[[], object]) -> tuple[object, float]:
 # -- time --------------------------------------------------------------------------------
 
 
-def test_no_call_outlasts_its_deadline_over_a_trickling_link(
-    valkey_server: ValkeyServer, trickle: TrickleProxy
+def assert_every_call_is_bounded(
+    server: ValkeyServer, trickle: TrickleProxy, store_class: type[ValkeyStore] = ValkeyStore
 ) -> None:
-    """2 KiB every 0.3 s: each socket operation makes progress, so only a deadline per call
-    ends a call of 1 MiB (a timeout per operation held one for 15 s and more)."""
-    direct = make_store(valkey_server.url)
+    """A 1 MiB get, get_into and put through ``trickle``: each is over by its deadline."""
+    direct = make_store(server.url)
     value = blocks(1, 1 * MiB, seed=1)[0]
     assert direct.put(["big"], [value]) == [True]
-    store = ValkeyStore(trickle.url(), namespace=LAYOUT, timeout_s=TIMEOUT_S, retry_after_s=0)
+    store = store_class(trickle.url(), namespace=LAYOUT, timeout_s=TIMEOUT_S, retry_after_s=0)
     calls: list[tuple[str, Callable[[], object], object]] = [
         ("get", lambda: store.get(["big"]), [None]),
         ("get_into", lambda: store.get_into(["big"], [bytearray(1 * MiB)]), [False]),
         ("put", lambda: store.put(["other"], [value]), [False]),
     ]
-    for name, call, expected in calls:
-        result, took = timed(call)
-        assert result == expected, name
-        assert took <= TIMEOUT_S + MARGIN_S, f"{name} took {took:.2f} s"
-    stats = store.stats()
-    assert stats.timeouts == 3 and stats.failures == 3
-    assert_accounted(stats)
+    try:
+        for name, call, expected in calls:
+            result, took = timed(call)
+            assert took <= TIMEOUT_S + MARGIN_S, f"{name} took {took:.2f} s"
+            assert result == expected, name
+        stats = store.stats()
+        assert stats.timeouts == 3 and stats.failures == 3
+        assert_accounted(stats)
+    finally:
+        store.close()
+
+
+def test_no_call_outlasts_its_deadline_over_a_trickling_link(
+    valkey_server: ValkeyServer, trickle: TrickleProxy
+) -> None:
+    """2 KiB every 0.3 s: each socket operation makes progress, so only a deadline per call
+    ends a call of 1 MiB (a timeout per operation held one for 15 s and more)."""
+    assert_every_call_is_bounded(valkey_server, trickle)
     print(f"longest call through the trickling proxy: {max(LONGEST):.3f} s")
+
+
+@pytest.mark.parametrize("entry", share(CALL_DEADLINE), ids=lambda bug: bug.name)
+def test_the_deadline_check_finds_its_share_of_the_catalogue(
+    valkey_server: ValkeyServer, trickle: TrickleProxy, entry: Planted
+) -> None:
+    assert isinstance(entry.subject, type) and issubclass(entry.subject, ValkeyStore)
+    with pytest.raises(AssertionError, match="took"):
+        assert_every_call_is_bounded(valkey_server, trickle, entry.subject)
 
 
 def test_close_from_another_thread_ends_a_stuck_call_at_once(

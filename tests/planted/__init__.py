@@ -17,6 +17,7 @@ from typing import Any
 from kvoffload.manager import OffloadManager
 from kvoffload.offloader import Offloader
 from kvoffload.policies.base import EvictionPolicy
+from kvoffload.tiers import ValkeyStore
 from kvoffload_spec.disk import DiskRules
 from tests.planted import block_ids as broken_ids
 from tests.planted import crosshair_manager as broken_contracts
@@ -52,6 +53,7 @@ FETCH_JOBS = "fetch jobs"  # jobs of 1-4 fetch plans, every subset abandoned, re
 PARTLY_PRESENT = "partly-present keys"  # adapters' batches with every subset stored already
 PLANNER = "run planner checks"  # mixed packed/strided layouts, both paths, vs a reference
 STORE_CONTRACT = "store contract"  # tests/store_contract.py: every RemoteStore keeps it
+CALL_DEADLINE = "call deadline"  # tests/test_remote_bounds.py: calls over a trickling link
 
 CHECKERS = (
     EXPLORER,
@@ -74,6 +76,7 @@ CHECKERS = (
     PLANNER,
     STORE_CONTRACT,
     DISK,
+    CALL_DEADLINE,
 )
 
 
@@ -127,6 +130,7 @@ Subject = (
     | type[Offloader]
     | broken_policies.UserPolicyBug
     | broken_stores.PlantedStore
+    | type[ValkeyStore]
     | PlantedAdapter
     | broken_planner.PlannerBug
 )
@@ -331,6 +335,15 @@ _STORES = tuple(
     for bug in broken_stores.PLANTED_STORES
 )
 
+_DEADLINES = (
+    _planted(
+        "the remote store times each socket operation, not the call",
+        broken_stores.TimesEachSocketOperation,
+        broken_stores.TimesEachSocketOperation,
+        CALL_DEADLINE,
+    ),
+)
+
 _ADAPTERS = (
     Planted(
         "sglang: a batch set pairs the call's keys with the plan's block ids",
@@ -379,6 +392,7 @@ CATALOGUE: tuple[Planted, ...] = (
     + _OFFLOADERS
     + _USER_POLICIES
     + _STORES
+    + _DEADLINES
     + _ADAPTERS
     + _PLANNERS
 )

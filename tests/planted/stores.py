@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvoffload.tiers import ValkeyStore
+from kvoffload.tiers.connection import Deadline
 from kvoffload.tiers.store import WritableBuffer
 from kvoffload_spec.errors import InvalidArgumentError
 
@@ -71,6 +73,28 @@ class SizesABatchByItsFirstBuffer(ValkeyStore):
                 target[:size] = value[:size]
             done.append(fits)
         return done
+
+
+class _EachOperation(Deadline):
+    """A "deadline" that gives every wait the whole timeout: a timeout per socket
+    operation, as the client library has, instead of one per call."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds
+
+
+class TimesEachSocketOperation(ValkeyStore):
+    """timeout_s bounds each connect, send and receive, not the call: a link that passes a
+    few bytes now and then holds a call for as long as the value takes to trickle in."""
+
+    def _call(self, sends: Any, read: Any, deadline: Deadline, **options: Any) -> Any:
+        return super()._call(sends, read, _EachOperation(self._timeout_s), **options)
 
 
 @dataclass(frozen=True)
