@@ -47,20 +47,31 @@ class StoreFactory:
 @contextmanager
 def valkey_stores(store_class: type[ValkeyStore] = ValkeyStore) -> Iterator[StoreMaker]:
     """Stores of ``store_class`` on a real Valkey server of their own (127.0.0.1)."""
-    with ValkeyServer() as server:
-        made: list[RemoteStore] = []
-
-        def make(namespace: str | Mapping[str, Any] | Namespace | None = None) -> RemoteStore:
+    with (
+        ValkeyServer() as server,
+        _closing(
             # A timeout no busy machine reaches: these checks expect every call to succeed.
-            store = store_class(server.url, namespace=namespace or LAYOUT, timeout_s=10)
-            made.append(store)
-            return store
+            lambda namespace: store_class(server.url, namespace=namespace, timeout_s=10)
+        ) as make,
+    ):
+        yield make
 
-        try:
-            yield make
-        finally:
-            for store in made:
-                store.close()
+
+@contextmanager
+def _closing(open_store: Callable[[Any], RemoteStore]) -> Iterator[StoreMaker]:
+    """A maker of stores by ``open_store(namespace)``, each closed when the context ends."""
+    made: list[RemoteStore] = []
+
+    def make(namespace: str | Mapping[str, Any] | Namespace | None = None) -> RemoteStore:
+        store = open_store(namespace or LAYOUT)
+        made.append(store)
+        return store
+
+    try:
+        yield make
+    finally:
+        for store in made:
+            store.close()
 
 
 @contextmanager
@@ -70,21 +81,15 @@ def valkey_cluster_stores() -> Iterator[StoreMaker]:
     has those)."""
     from tests.valkey_cluster import ValkeyCluster
 
-    with ValkeyCluster(replicas_each=0) as cluster:
-        made: list[RemoteStore] = []
-
-        def make(namespace: str | Mapping[str, Any] | Namespace | None = None) -> RemoteStore:
-            store = ValkeyStore(
-                cluster.url, namespace=namespace or LAYOUT, cluster=True, timeout_s=10
+    with (
+        ValkeyCluster(replicas_each=0) as cluster,
+        _closing(
+            lambda namespace: ValkeyStore(
+                cluster.url, namespace=namespace, cluster=True, timeout_s=10
             )
-            made.append(store)
-            return store
-
-        try:
-            yield make
-        finally:
-            for store in made:
-                store.close()
+        ) as make,
+    ):
+        yield make
 
 
 @contextmanager
