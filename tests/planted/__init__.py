@@ -202,7 +202,13 @@ _MANAGERS = (
         "duel",
         CONFORMANCE,
     ),
-    _entry("duel: LRU-2 reads the last use", broken.DuelLru2ReadsTheLastUse, "duel", CONFORMANCE),
+    _entry(
+        "duel: LRU-2 reads the last use",
+        broken.DuelLru2ReadsTheLastUse,
+        "duel",
+        CONFORMANCE,
+        DIRECTED,
+    ),
     _entry(
         "duel: a gone key's last use forgotten",
         broken.DuelForgetsTheLastUseOfAGoneKey,

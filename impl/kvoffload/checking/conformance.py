@@ -71,6 +71,21 @@ DIRECTED: tuple[tuple[int, Churn, tuple[int, ...]], ...] = (
     # A touch whose repeat is not adjacent: the first occurrence decides (0 ends most recent).
     (3, ((3, "nothing"),), (0, 1, 0)),
     (3, ((3, "stored"),), (2, 0, 1, 0, 2)),
+    # Duel: LRU-2 leads from the fifth round, and the seventh round's victim is the reused
+    # key whose second most recent use is oldest, not the one used longest ago.
+    (
+        3,
+        (
+            (2, "stored"),
+            (2, "absent"),
+            (3, "absent"),
+            (2, "stored"),
+            (2, "absent"),
+            (1, "stored"),
+            (1, "absent"),
+        ),
+        (),
+    ),
 )
 """Histories that random generation reaches only rarely, run before the random ones: each
 is (pool size, churn rounds as in ``ConformanceMachine.start``, then a touch of these
