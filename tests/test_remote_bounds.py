@@ -21,7 +21,7 @@ import valkey
 
 from kvoffload.tiers import ValkeyStore
 from kvoffload.tiers.values import encode_key
-from tests.planted import CALL_DEADLINE, Planted, share
+from tests.planted import CALL_DEADLINE, REPLY_BOUNDS, Planted, share
 from tests.remote_proxies import FakeServer, TrickleProxy
 from tests.remote_support import (
     LAYOUT,
@@ -171,13 +171,15 @@ def test_a_stuck_fetch_gives_the_pool_back_by_its_deadline(
 # -- memory ------------------------------------------------------------------------------
 
 
-def test_oversized_planted_values_are_never_read(valkey_server: ValkeyServer) -> None:
+def assert_oversized_values_are_never_read(
+    server: ValkeyServer, store_class: type[ValkeyStore] = ValkeyStore
+) -> None:
     """Four 64 MiB values planted under a victim's keys (SETRANGE: the server makes them,
     nothing crosses the wire): a get_into of 4 x 4 KiB reads no more than its buffers and
     headers, a get no more than max_value_bytes; each oversized value is refused unread."""
-    store = ValkeyStore(valkey_server.url, namespace=LAYOUT, timeout_s=10, max_value_bytes=1 * MiB)
+    store = store_class(server.url, namespace=LAYOUT, timeout_s=10, max_value_bytes=1 * MiB)
     keys = list(range(4))
-    planter = valkey.Valkey.from_url(valkey_server.url)
+    planter = valkey.Valkey.from_url(server.url)
     for key in keys:
         planter.setrange(server_key(store, key), 64 * MiB - 1, b"x")
     buffers = [bytearray(4 * KiB) for _ in keys]
@@ -190,17 +192,33 @@ def test_oversized_planted_values_are_never_read(valkey_server: ValkeyServer) ->
         get_peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+        store.close()
     assert buffers == [bytearray(4 * KiB)] * 4  # untouched
     print(f"peak Python memory: get_into {into_peak / KiB:.0f} KiB, get {get_peak / KiB:.0f} KiB")
-    assert into_peak < 1 * MiB, into_peak  # the link's 256 KiB buffer, a 4 KiB scratch
-    assert get_peak < 2 * MiB, get_peak
+    # The link's 256 KiB buffer and a 4 KiB scratch; for get, max_value_bytes besides.
+    assert into_peak < 1 * MiB, f"get_into held {into_peak / KiB:.0f} KiB"
+    assert get_peak < 2 * MiB, f"get held {get_peak / KiB:.0f} KiB"
     stats = store.stats()
     assert stats.rejected_length == 8 and stats.failures == 0
     assert_accounted(stats)
+
+
+def test_oversized_planted_values_are_never_read(valkey_server: ValkeyServer) -> None:
+    assert_oversized_values_are_never_read(valkey_server)
     # The keys are still the store's to use: a real value replaces the planted one.
+    store = make_store(valkey_server.url)
     assert store.put([0], [content(0)]) == [True]
     (found,) = store.get([0])
     assert found is not None and found.tobytes() == content(0)
+
+
+@pytest.mark.parametrize("entry", share(REPLY_BOUNDS), ids=lambda bug: bug.name)
+def test_the_memory_bound_finds_its_share_of_the_catalogue(
+    valkey_server: ValkeyServer, entry: Planted
+) -> None:
+    assert isinstance(entry.subject, type) and issubclass(entry.subject, ValkeyStore)
+    with pytest.raises(AssertionError, match="held"):
+        assert_oversized_values_are_never_read(valkey_server, entry.subject)
 
 
 # -- outcome -----------------------------------------------------------------------------

@@ -54,6 +54,7 @@ PARTLY_PRESENT = "partly-present keys"  # adapters' batches with every subset st
 PLANNER = "run planner checks"  # mixed packed/strided layouts, both paths, vs a reference
 STORE_CONTRACT = "store contract"  # tests/store_contract.py: every RemoteStore keeps it
 CALL_DEADLINE = "call deadline"  # tests/test_remote_bounds.py: calls over a trickling link
+REPLY_BOUNDS = "reply bounds"  # tests/test_remote_bounds.py: values planted oversized
 
 CHECKERS = (
     EXPLORER,
@@ -77,6 +78,7 @@ CHECKERS = (
     STORE_CONTRACT,
     DISK,
     CALL_DEADLINE,
+    REPLY_BOUNDS,
 )
 
 
@@ -347,6 +349,12 @@ _DEADLINES = (
         broken_stores.TimesEachSocketOperation,
         broken_stores.TimesEachSocketOperation,
         CALL_DEADLINE,
+    ),
+    _planted(
+        "the remote store reads a value of any length before refusing it",
+        broken_stores.ReadsAValueWhateverItsLength,
+        broken_stores.ReadsAValueWhateverItsLength,
+        REPLY_BOUNDS,
     ),
 )
 

@@ -1,6 +1,7 @@
 """Planted bugs in a remote store: a ``get_into`` that takes a valid value of another size
-than the caller's buffer. The contract's size checks (tests/store_contract.py) must find
-each; every other part of the store is the real one.
+than the caller's buffer, which the contract's size checks (tests/store_contract.py) must
+find; a store that times each socket operation and one that reads a value of any length,
+which tests/test_remote_bounds.py must find. Every other part of each store is the real one.
 
 Each reads through the store's own ``get`` (every value there is valid: namespace, key,
 length and checksum checked), so the only slip is the one planted: which sizes it copies.
@@ -73,6 +74,22 @@ class SizesABatchByItsFirstBuffer(ValkeyStore):
                 target[:size] = value[:size]
             done.append(fits)
         return done
+
+
+class ReadsAValueWhateverItsLength(ValkeyStore):
+    """get accepts any length the server announces and finds an oversized value invalid
+    only once it is read: each value planted at 64 MiB costs the victim 64 MiB."""
+
+    def get(self, keys: Sequence[Hashable]) -> list[memoryview | None]:
+        encoded = self._keys(keys)
+        found: list[memoryview | None] = [None] * len(encoded)
+
+        def accept(index: int, payload: memoryview) -> bool:
+            found[index] = payload.toreadonly()
+            return True
+
+        self._read(encoded, [1 << 40] * len(encoded), None, accept)
+        return found
 
 
 class _EachOperation(Deadline):
