@@ -32,6 +32,13 @@ def server_binary() -> Path:
     return path
 
 
+PORT_TRIES = 3
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind a port (its own or its cluster bus port)."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -45,6 +52,10 @@ class ValkeyServer:
     def __init__(self, port: int | None = None, **config: str) -> None:
         self.binary = server_binary()
         self.port = port or free_port()
+        # Ports this class chose may be taken by another socket before the server binds
+        # them (free_port releases its probe): until the first start succeeds, a start that
+        # finds its port taken tries fresh ones. A restart keeps its ports.
+        self._ports_chosen = port is None
         self.config = config  # more server options: maxmemory="2mb", ...
         self._dir = tempfile.TemporaryDirectory(prefix="kvoffload-valkey-")
         self.log = Path(self._dir.name) / "server.log"
@@ -56,6 +67,18 @@ class ValkeyServer:
 
     def start(self) -> ValkeyServer:
         assert self.process is None, "already running"
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return self._start()
+            except PortTaken:
+                if not self._ports_chosen:
+                    raise
+                self.port = free_port()
+                if "cluster_port" in self.config:
+                    self.config["cluster_port"] = str(free_port())
+        return self._start()
+
+    def _start(self) -> ValkeyServer:
         arguments = [
             str(self.binary),
             "--bind", "127.0.0.1",
@@ -74,12 +97,15 @@ class ValkeyServer:
             arguments, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         deadline = time.monotonic() + STARTUP_S
-        while not self._answers():
+        # Answering is not enough: another server may hold the port this one failed to bind.
+        while not (self._answers() and self.process.poll() is None):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 error = self._tail()
                 self.kill()
-                raise RuntimeError(f"{self.binary} did not start on port {self.port}: {error}")
+                failure = PortTaken if "Address already in use" in error else RuntimeError
+                raise failure(f"{self.binary} did not start on port {self.port}: {error}")
             time.sleep(0.01)
+        self._ports_chosen = False
         return self
 
     def _answers(self) -> bool:
