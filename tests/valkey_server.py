@@ -52,9 +52,9 @@ class ValkeyServer:
     def __init__(self, port: int | None = None, **config: str) -> None:
         self.binary = server_binary()
         self.port = port or free_port()
-        # Ports this class chose may be taken by another socket before the server binds
-        # them (free_port releases its probe): until the first start succeeds, a start that
-        # finds its port taken tries fresh ones. A restart keeps its ports.
+        # A picked port may be taken by another socket before the server binds it
+        # (free_port releases its probe): until the first start succeeds, a start that finds
+        # its port or its cluster bus port taken picks both again. A restart keeps them.
         self._ports_chosen = port is None
         self.config = config  # more server options: maxmemory="2mb", ...
         self._dir = tempfile.TemporaryDirectory(prefix="kvoffload-valkey-")
@@ -97,7 +97,8 @@ class ValkeyServer:
             arguments, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         deadline = time.monotonic() + STARTUP_S
-        # Answering is not enough: another server may hold the port this one failed to bind.
+        # A server that failed to bind may still be alive while another one answers on its
+        # port: the check after the answer catches it once it has died (not before).
         while not (self._answers() and self.process.poll() is None):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 error = self._tail()
