@@ -21,7 +21,7 @@ import valkey
 
 from kvoffload.tiers import ValkeyStore
 from kvoffload.tiers.values import encode_key
-from tests.planted import CALL_DEADLINE, REPLY_BOUNDS, Planted, share
+from tests.planted import CALL_DEADLINE, MALFORMED_REPLIES, REPLY_BOUNDS, Planted, share
 from tests.remote_proxies import FakeServer, TrickleProxy
 from tests.remote_support import (
     LAYOUT,
@@ -240,22 +240,50 @@ MALFORMED = {
 }
 
 
-@pytest.mark.parametrize("reply", list(MALFORMED.values()), ids=list(MALFORMED))
-def test_a_malformed_reply_is_a_counted_failure_never_an_exception(reply: bytes) -> None:
+def assert_a_malformed_reply_is_a_counted_failure(
+    reply: bytes, store_class: type[ValkeyStore] = ValkeyStore
+) -> None:
+    """Every call answered ``reply`` fails, counted, and nothing it provokes reaches the
+    caller."""
     with FakeServer(lambda data: reply or None) as fake:
-        store = ValkeyStore(fake.url(), namespace=LAYOUT, timeout_s=0.5, retry_after_s=0)
+        store = store_class(fake.url(), namespace=LAYOUT, timeout_s=0.5, retry_after_s=0)
         keys = [1, 2]
-        assert store.get(keys) == [None, None]
-        assert store.get_into(keys, [bytearray(8), bytearray(8)]) == [False, False]
-        assert store.put(keys, [b"a" * 8, b"b" * 8]) == [False, False]
-        assert store.contains(keys) == [False, False]
-        assert store.delete(keys) == [False, False]
-        assert store.ping() is False
+        try:
+            assert store.get(keys) == [None, None]
+            assert store.get_into(keys, [bytearray(8), bytearray(8)]) == [False, False]
+            assert store.put(keys, [b"a" * 8, b"b" * 8]) == [False, False]
+            assert store.contains(keys) == [False, False]
+            assert store.delete(keys) == [False, False]
+            assert store.ping() is False
+        except AssertionError:
+            raise
+        except Exception as error:
+            raise AssertionError(f"{error!r:.80} raised into the caller") from error
+        finally:
+            store.close()
         stats = store.stats()
         assert stats.hits == 0 and stats.keys_stored == 0
         assert stats.failures >= 5, stats  # an error reply to MGET, counted, keeps the link
         assert_accounted(stats)
-        store.close()
+
+
+@pytest.mark.parametrize("reply", list(MALFORMED.values()), ids=list(MALFORMED))
+def test_a_malformed_reply_is_a_counted_failure_never_an_exception(reply: bytes) -> None:
+    assert_a_malformed_reply_is_a_counted_failure(reply)
+
+
+@pytest.mark.parametrize("entry", share(MALFORMED_REPLIES), ids=lambda bug: bug.name)
+def test_the_malformed_replies_find_their_share_of_the_catalogue(entry: Planted) -> None:
+    assert isinstance(entry.subject, type) and issubclass(entry.subject, ValkeyStore)
+    caught: list[str] = []
+    for name, reply in MALFORMED.items():
+        try:
+            assert_a_malformed_reply_is_a_counted_failure(reply, entry.subject)
+        except AssertionError as failure:
+            assert "raised into the caller" in str(failure), failure
+            caught.append(name)
+    print(f"{entry.name}: caught by {caught}")
+    assert caught, f"no malformed reply told {entry.name!r} from the real store"
 
 
 class Interrupted(Exception):

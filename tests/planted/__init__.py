@@ -55,6 +55,7 @@ PLANNER = "run planner checks"  # mixed packed/strided layouts, both paths, vs a
 STORE_CONTRACT = "store contract"  # tests/store_contract.py: every RemoteStore keeps it
 CALL_DEADLINE = "call deadline"  # tests/test_remote_bounds.py: calls over a trickling link
 REPLY_BOUNDS = "reply bounds"  # tests/test_remote_bounds.py: values planted oversized
+MALFORMED_REPLIES = "malformed replies"  # tests/test_remote_bounds.py: a fake server's replies
 
 CHECKERS = (
     EXPLORER,
@@ -79,6 +80,7 @@ CHECKERS = (
     DISK,
     CALL_DEADLINE,
     REPLY_BOUNDS,
+    MALFORMED_REPLIES,
 )
 
 
@@ -355,6 +357,18 @@ _DEADLINES = (
         broken_stores.ReadsAValueWhateverItsLength,
         broken_stores.ReadsAValueWhateverItsLength,
         REPLY_BOUNDS,
+    ),
+    _planted(
+        "the remote store reads a reply's numbers with int()",
+        broken_stores.ParsesNumbersWithInt,
+        broken_stores.ParsesNumbersWithInt,
+        MALFORMED_REPLIES,
+    ),
+    _planted(
+        "the remote store parses nested arrays recursively",
+        broken_stores.ParsesNestedArraysRecursively,
+        broken_stores.ParsesNestedArraysRecursively,
+        MALFORMED_REPLIES,
     ),
 )
 

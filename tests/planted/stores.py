@@ -1,7 +1,8 @@
 """Planted bugs in a remote store: a ``get_into`` that takes a valid value of another size
 than the caller's buffer, which the contract's size checks (tests/store_contract.py) must
-find; a store that times each socket operation and one that reads a value of any length,
-which tests/test_remote_bounds.py must find. Every other part of each store is the real one.
+find; a store that times each socket operation, one that reads a value of any length and
+two whose reply parser raises what malformed bytes provoke, which tests/test_remote_bounds.py
+must find. Every other part of each store is the real one.
 
 Each reads through the store's own ``get`` (every value there is valid: namespace, key,
 length and checksum checked), so the only slip is the one planted: which sizes it copies.
@@ -14,7 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.tiers import ValkeyStore
-from kvoffload.tiers.connection import Deadline
+from kvoffload.tiers.connection import (
+    Deadline,
+    ErrorReply,
+    Link,
+    Oversized,
+    ProtocolError,
+    _integer,
+)
 from kvoffload.tiers.store import WritableBuffer
 from kvoffload_spec.errors import InvalidArgumentError
 
@@ -112,6 +120,71 @@ class TimesEachSocketOperation(ValkeyStore):
 
     def _call(self, sends: Any, read: Any, deadline: Deadline, **options: Any) -> Any:
         return super()._call(sends, read, _EachOperation(self._timeout_s), **options)
+
+
+class _NumbersByInt(Link):
+    """Reads an MGET's reply as a general client's parser does: ``int()`` of whatever a
+    count or length line holds (``$abc``: ValueError; 5,000 digits: ValueError)."""
+
+    def array_header(self, deadline: Deadline) -> int | ErrorReply:
+        kind, line = self._line(deadline)
+        if kind == ord("*"):
+            return int(line)
+        found = self._other(kind, line, deadline)
+        if isinstance(found, ErrorReply):
+            return found
+        raise ProtocolError(f"{found!r:.40} where an array was expected")
+
+    def bulk(
+        self, deadline: Deadline, limit: int, into: bytearray | None
+    ) -> memoryview | Oversized | None:
+        kind, line = self._line(deadline)
+        if kind == ord("$"):
+            return self.bulk_after(int(line), deadline, limit, into)
+        raise ProtocolError(f"{kind!r}{line!r:.40} where a bulk string was expected")
+
+
+class _NestedArrays(Link):
+    """Takes an array where an MGET's element should be and reads it, element by element,
+    recursively, as a general RESP parser does (20,000 levels deep: RecursionError)."""
+
+    def bulk(
+        self, deadline: Deadline, limit: int, into: bytearray | None
+    ) -> memoryview | Oversized | None:
+        kind, line = self._line(deadline)
+        if kind == ord("*"):
+            for _ in range(_integer(line)):
+                self.bulk(deadline, limit, into)
+            return None  # an array is no value: a miss
+        if kind == ord("$"):
+            return self.bulk_after(_integer(line), deadline, limit, into)
+        raise ProtocolError(f"{kind!r}{line!r:.40} where a bulk string was expected")
+
+
+class _ParsedBy(ValkeyStore):
+    """The real store, each new connection's replies read by ``parser`` instead."""
+
+    parser: type[Link] = Link
+
+    def _connected(self, deadline: Deadline) -> tuple[Link, bool]:
+        link, opened = super()._connected(deadline)
+        if opened:
+            link.__class__ = self.parser
+        return link, opened
+
+
+class ParsesNumbersWithInt(_ParsedBy):
+    """An MGET reply's counts and lengths are read with ``int()``: a malformed one raises
+    ValueError into the caller, uncounted, instead of failing the call."""
+
+    parser = _NumbersByInt
+
+
+class ParsesNestedArraysRecursively(_ParsedBy):
+    """An array in place of an MGET's element is parsed recursively: a deep one raises
+    RecursionError into the caller, uncounted, instead of failing the call."""
+
+    parser = _NestedArrays
 
 
 @dataclass(frozen=True)
