@@ -1,5 +1,6 @@
 """The test harness's server starts whatever else holds the port it picked: with test files
-running in parallel, another socket can take a free port between the pick and the bind."""
+running in parallel, another socket (another test's server, even) can take a free port
+between the pick and the bind, and a server answering there is not taken for ours."""
 
 from __future__ import annotations
 
@@ -30,5 +31,32 @@ def test_a_server_given_its_port_does_not_move() -> None:
             assert f"port {port}" in str(error) and server.port == port
         else:
             raise AssertionError("the server started on a port another socket holds")
+        finally:
+            server.close()
+
+
+def serving_pid(port: int) -> int:
+    info: dict[str, object] = valkey.Valkey(host="127.0.0.1", port=port).info("server")  # type: ignore[assignment]
+    return int(str(info["process_id"]))
+
+
+def test_a_server_whose_picked_port_another_server_answers_on_starts_on_another() -> None:
+    """The other server answers PING on the port at once; ours fails to bind it and lives
+    a moment more: that answer is not ours."""
+    server = ValkeyServer()
+    picked = server.port
+    with ValkeyServer(picked) as other, server:
+        assert server.port != picked
+        assert server.process is not None and other.process is not None
+        assert serving_pid(server.port) == server.process.pid
+        assert serving_pid(picked) == other.process.pid
+
+
+def test_a_server_given_a_port_another_server_answers_on_fails() -> None:
+    with ValkeyServer() as other:
+        server = ValkeyServer(other.port)
+        try:
+            with pytest.raises(RuntimeError, match=f"port {other.port}"):
+                server.start()
         finally:
             server.close()

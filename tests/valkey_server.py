@@ -88,7 +88,7 @@ class ValkeyServer:
             "--dir", self._dir.name,
             "--daemonize", "no",
             "--protected-mode", "yes",
-            "--loglevel", "warning",
+            "--loglevel", "notice",  # for its "Ready to accept connections" line
             "--logfile", str(self.log),
         ]  # fmt: skip
         for name, value in self.config.items():
@@ -97,9 +97,9 @@ class ValkeyServer:
             arguments, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         deadline = time.monotonic() + STARTUP_S
-        # A server that failed to bind may still be alive while another one answers on its
-        # port: the check after the answer catches it once it has died (not before).
-        while not (self._answers() and self.process.poll() is None):
+        # Another test's server may answer on a port ours failed to bind: only our own
+        # process's log line says that it listens, and then the answer is its.
+        while not (self._ready(self.process.pid) and self._answers()):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 error = self._tail()
                 self.kill()
@@ -108,6 +108,17 @@ class ValkeyServer:
             time.sleep(0.01)
         self._ports_chosen = False
         return self
+
+    def _ready(self, pid: int) -> bool:
+        """Whether the server ``pid`` logged that it accepts connections (the log holds the
+        lines of earlier starts too, each line led by its process's pid)."""
+        if not self.log.exists():
+            return False
+        mine = f"{pid}:"
+        return any(
+            line.startswith(mine) and "ready to accept connections" in line.lower()
+            for line in self.log.read_text(errors="replace").splitlines()
+        )
 
     def _answers(self) -> bool:
         try:
