@@ -260,9 +260,9 @@ def test_the_admin_session_reads_no_more_than_it_can_use(valkey_server: ValkeySe
         session.ping()
         assert session.strlens([b"kvo1:long", b"absent"]) == [4096, 0]
         with pytest.raises(AdminError, match="4,096 bytes"):
-            session.mget([b"kvo1:long"])
+            session.values([b"kvo1:long"])
     with AdminSession(valkey_server.url, timeout_s=5, max_value_bytes=8192) as session:
-        assert session.mget([b"kvo1:long", b"absent"]) == [b"x" * 4096, None]
+        assert session.values([b"kvo1:long", b"absent"]) == [b"x" * 4096, None]
         with pytest.raises(Exception, match="bytes"):
             session.get_text(b"kvo1:name")
     with AdminSession(valkey_server.url, timeout_s=5, max_value_bytes=8192) as session:

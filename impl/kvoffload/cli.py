@@ -49,7 +49,7 @@ NEEDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
-    from kvoffload.cli_config import ConfigError, layer
+    from kvoffload.cli_config import ConfigError, layer, leaf_parsers
 
     arguments = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -63,7 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, str(error), EXIT_USAGE)
     for option, needed in NEEDS.items():
         if option in layered.given and needed in vars(args) and getattr(args, needed) is None:
-            return _fail(args, f"{_flag(option)} does nothing without {_flag(needed)}", EXIT_USAGE)
+            leaf = leaf_parsers(parser)[args.command_name]
+            said = f"{_flag(leaf, option)} does nothing without {_flag(leaf, needed)}"
+            return _fail(args, said, EXIT_USAGE)
     command: Callable[[argparse.Namespace], int] = args.command
     _search_working_directory()
     try:
@@ -80,8 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+def _flag(leaf: argparse.ArgumentParser, dest: str) -> str:
+    """How the command ``leaf`` spells its option ``dest`` (``remote stats`` says ``--cluster``
+    and ``URL`` where ``simulate`` says ``--remote-cluster`` and ``--remote``)."""
+    from kvoffload.cli_config import configurable, flag_of
+
+    action = configurable(leaf).get(dest)
+    return "--" + dest.replace("_", "-") if action is None else flag_of(action)
 
 
 def _search_working_directory() -> None:

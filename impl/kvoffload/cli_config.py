@@ -199,7 +199,7 @@ def _value(action: argparse.Action, raw: object, where: str) -> object:
             return action.const if raw.strip().lower() in _TRUE else action.default
         raise ConfigError(f"{where}: {raw!r} is not true or false")
     if isinstance(raw, bool) or (isinstance(raw, (dict, list)) and not _flat(raw)):
-        raise ConfigError(f"{where}: {raw!r} is not a value for {_flag(action)}")
+        raise ConfigError(f"{where}: {raw!r} is not a value for {flag_of(action)}")
     text = ",".join(map(str, raw)) if isinstance(raw, list) else str(raw)
     try:
         value = action.type(text) if callable(action.type) else text
@@ -215,12 +215,15 @@ def _flat(raw: object) -> bool:
     return isinstance(raw, list) and all(isinstance(item, (str, int)) for item in raw)
 
 
-def _flag(action: argparse.Action) -> str:
-    return action.option_strings[-1] if action.option_strings else action.dest
+def flag_of(action: argparse.Action) -> str:
+    """How the command line spells ``action`` (its long flag; a positional, its metavar)."""
+    if action.option_strings:
+        return action.option_strings[-1]
+    return str(action.metavar or action.dest)
 
 
 def keys_of(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, str]]:
     """(command, key, flag) for every configurable option."""
     for command, leaf in leaf_parsers(parser).items():
         for key, action in configurable(leaf).items():
-            yield command, key, _flag(action)
+            yield command, key, flag_of(action)

@@ -19,6 +19,7 @@ import re
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from kvoffload.cli_args import add_json_argument, byte_size, count, port, second
 from kvoffload_spec.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
+    from kvoffload.tiers.address import ServerAddress
     from kvoffload.tiers.admin import AdminSession
 
 PREFIXES = (b"kvo1:", b"kvo2:")
@@ -66,6 +68,14 @@ def add_remote_commands(commands: Any) -> None:
             default=2.0,
             metavar="SECONDS",
             help="how long one reply may take (default: %(default)s)",
+        )
+        verb.add_argument(
+            "--cluster",
+            dest="remote_cluster",
+            action="store_true",
+            help="the URL names nodes of a Valkey Cluster (one or several, comma-separated): "
+            "every primary is asked, so that stats and clear see every slot's keys "
+            "(config key: remote_cluster, as for simulate --remote-cluster)",
         )
         verb.set_defaults(command=run, command_name=f"remote {verb.prog.split()[-1]}")
     stats.add_argument(
@@ -142,7 +152,8 @@ def add_remote_commands(commands: Any) -> None:
 # -- the server's side ---------------------------------------------------------------------
 
 
-def _client(args: argparse.Namespace) -> AdminSession:
+def _sessions(args: argparse.Namespace) -> list[AdminSession]:
+    """A session with the server, or with every primary of the cluster (``--cluster``)."""
     from kvoffload.tiers.admin import FAILURES, AdminSession
     from kvoffload.tiers.valkey_store import DEFAULT_MAX_VALUE_BYTES
 
@@ -151,12 +162,80 @@ def _client(args: argparse.Namespace) -> AdminSession:
             "give the server's URL (redis://host:port/db), or set KVOFFLOAD_REMOTE or "
             "remote in the config file"
         )
-    try:
+
+    def session(address: str | ServerAddress) -> AdminSession:
         return AdminSession(
-            args.remote, timeout_s=args.timeout, max_value_bytes=DEFAULT_MAX_VALUE_BYTES
+            address, timeout_s=args.timeout, max_value_bytes=DEFAULT_MAX_VALUE_BYTES
         )
-    except FAILURES as error:
-        raise _unreachable(args, error) from None
+
+    if not args.remote_cluster:
+        try:
+            single = session(args.remote)
+            node = _is_cluster_node(single)
+        except FAILURES as error:
+            raise _unreachable(args, error) from None
+        if node:
+            single.close()
+            raise InvalidArgumentError(
+                f"{redacted(args.remote)} is a cluster node: add --cluster (alone, one node "
+                "holds only its own slots' keys)"
+            )
+        return [single]
+    return _primaries(args, session)
+
+
+def _is_cluster_node(session: AdminSession) -> bool:
+    from kvoffload.tiers.admin import AdminError
+
+    try:
+        return session.info("cluster").get("cluster_enabled") == "1"
+    except AdminError:  # INFO refused (an ACL user): the stores' own check is at their first call
+        return False
+
+
+def _primaries(
+    args: argparse.Namespace, session: Callable[[str | ServerAddress], AdminSession]
+) -> list[AdminSession]:
+    """A session with each primary of the cluster, as the first seed that answers maps it;
+    refused while a slot has no primary (a clear would miss its keys, stats would not
+    count them)."""
+    from kvoffload.tiers.admin import FAILURES, AdminError
+    from kvoffload.tiers.cluster_map import node_address, parse_nodes, seed_addresses
+
+    seeds = seed_addresses(args.remote, tls_ca_file=None, tls_verify=None)
+    failure: Exception | None = None
+    for seed in seeds:
+        try:
+            with session(seed) as asked:
+                text = asked.cluster_nodes()
+        except AdminError as error:
+            raise InvalidArgumentError(
+                f"{redacted(args.remote)} is not a cluster node ({error}): drop --cluster"
+            ) from None
+        except FAILURES as error:
+            failure = error
+            continue
+        try:
+            slots = parse_nodes(text)
+        except FAILURES as error:
+            raise _unreachable(args, error) from None
+        unserved = sum(owner is None for owner in slots.owners)
+        if unserved:
+            raise InvalidArgumentError(
+                f"the cluster at {redacted(args.remote)} has no primary for {unserved:,} "
+                "slots now: try again once it serves every slot"
+            )
+        opened: list[AdminSession] = []
+        try:
+            for primary in sorted(slots.primaries, key=lambda node: (node.host, node.port)):
+                opened.append(session(node_address(seed, primary)))
+        except FAILURES as error:
+            for done in opened:
+                done.close()
+            raise _unreachable(args, error) from None
+        return opened
+    assert failure is not None  # a URL names at least one node
+    raise _unreachable(args, failure)
 
 
 def redacted(url: str) -> str:
@@ -174,32 +253,50 @@ def _ping(args: argparse.Namespace) -> int:
     from kvoffload.tiers.admin import FAILURES
 
     started = time.perf_counter()
-    client = _client(args)
+    sessions = _sessions(args)
+    nodes: list[dict[str, object]] = []
     try:
-        latencies = [time.perf_counter() - started]
-        for _ in range(2):
+        for client in sessions:
+            latencies = [time.perf_counter() - started]
+            for _ in range(2):
+                started = time.perf_counter()
+                client.ping()
+                latencies.append(time.perf_counter() - started)
+            info = client.info("server")
+            nodes.append(
+                {
+                    "node": f"{client.address.host}:{client.address.port}",
+                    "server": "valkey" if "valkey_version" in info else "redis",
+                    "version": str(info.get("valkey_version") or info.get("redis_version") or "?"),
+                    # the first includes connecting
+                    "latency_ms": round(min(latencies[1:]) * 1000, 3),
+                }
+            )
             started = time.perf_counter()
-            client.ping()
-            latencies.append(time.perf_counter() - started)
-        info = client.info("server")
     except FAILURES as error:
         raise _unreachable(args, error) from None
     finally:
-        client.close()
-    server = "valkey" if "valkey_version" in info else "redis"
-    version = str(info.get("valkey_version") or info.get("redis_version") or "?")
-    best_ms = min(latencies[1:]) * 1000  # the first includes connecting
+        for client in sessions:
+            client.close()
+    slowest = max(nodes, key=lambda node: float(str(node["latency_ms"])))
     if args.json:
-        output.print_json(
-            {
-                "url": redacted(args.remote),
-                "server": server,
-                "version": version,
-                "latency_ms": round(best_ms, 3),
-            }
+        shown: dict[str, object] = {"url": redacted(args.remote)}
+        shown.update((name, slowest[name]) for name in ("server", "version", "latency_ms"))
+        if args.remote_cluster:
+            shown["nodes"] = nodes
+        output.print_json(shown)
+    elif not args.remote_cluster:
+        print(
+            f"{redacted(args.remote)}: {slowest['server']} {slowest['version']}, PONG in "
+            f"{float(str(slowest['latency_ms'])):.2f} ms"
         )
     else:
-        print(f"{redacted(args.remote)}: {server} {version}, PONG in {best_ms:.2f} ms")
+        print(f"{redacted(args.remote)}: a cluster of {len(nodes)} primaries")
+        for node in nodes:
+            print(
+                f"  {node['node']}: {node['server']} {node['version']}, PONG in "
+                f"{float(str(node['latency_ms'])):.2f} ms"
+            )
     return 0
 
 
@@ -230,35 +327,40 @@ class NamespaceStats:
 
 
 def scan_namespaces(
-    client: AdminSession, sample: int, only: str | None = None
+    clients: Sequence[AdminSession], sample: int, only: str | None = None
 ) -> tuple[dict[str, NamespaceStats], int]:
-    """Every namespace on the server (or ``only`` that one), and the count of other keys."""
+    """Every namespace on the servers (a server, or a cluster's primaries), or ``only`` that
+    one, and the count of other keys."""
     from kvoffload.tiers.valkey_store import DESCRIPTION_NAME
 
     found: dict[str, NamespaceStats] = {}
-    ours = 0
+    others = 0
     pattern = f"{only}*" if only else "kvo[12]:*"
-    cursor = 0
-    while True:
-        cursor, keys = client.scan(cursor, match=pattern, count=SCAN_BATCH)
-        for key, size in zip(keys, client.strlens(keys), strict=True):
-            head = key[: len(PREFIXES[0]) + FINGERPRINT_HEX]
-            if not head.startswith(PREFIXES) or not _is_hex(head[5:]):
-                continue  # a key that only looks like ours
-            stats = found.setdefault(head.decode(), NamespaceStats(head.decode()))
-            ours += 1
-            if key[len(head) + 1 :] == DESCRIPTION_NAME:  # not a block: what they are
-                stats.description = _text(client.get_text(key))
-                continue
-            stats.keys += 1
-            stats.size += size
-            if len(stats.sample) < sample:
-                stats.sample.append(key)
-        if cursor == 0:
-            break
-    for stats in found.values():
-        _check_sample(client, stats)
-    others = 0 if only else max(client.dbsize() - ours, 0)
+    for client in clients:
+        ours = 0
+        sampled: dict[str, list[bytes]] = {}
+        cursor = 0
+        while True:
+            cursor, keys = client.scan(cursor, match=pattern, count=SCAN_BATCH)
+            for key, size in zip(keys, client.strlens(keys), strict=True):
+                head = key[: len(PREFIXES[0]) + FINGERPRINT_HEX]
+                if not head.startswith(PREFIXES) or not _is_hex(head[5:]):
+                    continue  # a key that only looks like ours
+                stats = found.setdefault(head.decode(), NamespaceStats(head.decode()))
+                ours += 1
+                if key[len(head) + 1 :] == DESCRIPTION_NAME:  # not a block: what they are
+                    stats.description = _text(client.get_text(key))
+                    continue
+                stats.keys += 1
+                stats.size += size
+                if len(stats.sample) < sample:
+                    stats.sample.append(key)
+                    sampled.setdefault(stats.namespace, []).append(key)
+            if cursor == 0:
+                break
+        for namespace, keys in sampled.items():
+            _check_sample(client, found[namespace], keys)
+        others += 0 if only else max(client.dbsize() - ours, 0)
     return found, others
 
 
@@ -270,9 +372,10 @@ def _text(value: object) -> str | None:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else None
 
 
-def _check_sample(client: AdminSession, stats: NamespaceStats) -> None:
-    """Each sampled value checked as a store reading it would: a plain one entirely (its
-    fingerprint is in its key), a sealed one as far as it can be without the secret."""
+def _check_sample(client: AdminSession, stats: NamespaceStats, keys: list[bytes]) -> None:
+    """Each value of ``keys`` (of ``stats``'s sample, on ``client``'s server) checked as a
+    store reading it would: a plain one entirely (its fingerprint is in its key), a sealed
+    one as far as it can be without the secret."""
     from kvoffload.tiers.values import (
         SEALED_HEADER_BYTES,
         SEALED_MAGIC,
@@ -281,12 +384,10 @@ def _check_sample(client: AdminSession, stats: NamespaceStats) -> None:
         payload_of,
     )
 
-    if not stats.sample:
-        return
     identity = bytes.fromhex(stats.namespace[5:])
     namespace = Namespace("(read from the server)", identity)
     prefix = len(stats.namespace) + 1
-    for key, value in zip(stats.sample, client.mget(stats.sample), strict=True):
+    for key, value in zip(keys, client.values(keys), strict=True):
         if value is None:  # evicted or deleted since the scan
             continue
         if stats.format == "plain":
@@ -307,13 +408,14 @@ def _stats(args: argparse.Namespace) -> int:
     from kvoffload.tiers.admin import FAILURES
 
     only = _namespace_id(args.namespace) if args.namespace else None
-    client = _client(args)
+    sessions = _sessions(args)
     try:
-        found, others = scan_namespaces(client, args.sample, only)
+        found, others = scan_namespaces(sessions, args.sample, only)
     except FAILURES as error:
         raise _unreachable(args, error) from None
     finally:
-        client.close()
+        for client in sessions:
+            client.close()
     namespaces = sorted(found.values(), key=lambda stats: (-stats.keys, stats.namespace))
     if args.json:
         output.print_json(
@@ -372,25 +474,26 @@ def _clear(args: argparse.Namespace) -> int:
     from kvoffload.tiers.admin import FAILURES
 
     namespace = _namespace_id(args.namespace)
-    client = _client(args)
+    sessions = _sessions(args)
     try:
         if not args.yes:
             if not sys.stdin.isatty():
                 raise InvalidArgumentError(
                     f"deleting {namespace} needs --yes when there is no terminal to ask on"
                 )
-            found, _ = scan_namespaces(client, 0, namespace)
+            found, _ = scan_namespaces(sessions, 0, namespace)
             keys = found[namespace].keys if namespace in found else 0
             where = redacted(args.remote)
             answer = input(f"delete every key of {namespace} ({keys:,} blocks) on {where}? [y/N] ")
             if answer.strip().lower() not in ("y", "yes"):
                 print("kvoffload remote clear: nothing deleted", file=sys.stderr)
                 return 1
-        deleted = delete_namespace(client, namespace)
+        deleted = sum(delete_namespace(client, namespace) for client in sessions)
     except FAILURES as error:
         raise _unreachable(args, error) from None
     finally:
-        client.close()
+        for client in sessions:
+            client.close()
     if args.json:
         output.print_json(
             {"url": redacted(args.remote), "namespace": namespace, "deleted": deleted}

@@ -1,6 +1,10 @@
 """An operator's session with a server: the few commands ``kvoffload remote`` sends to look
-at a server and to clean it (``PING``, ``INFO``, ``SCAN``, ``STRLEN``, ``GET``, ``MGET``,
-``DBSIZE``, ``UNLINK``), on the stores' own connection (:mod:`.connection`).
+at a server and to clean it (``PING``, ``INFO``, ``CLUSTER NODES``, ``SCAN``, ``STRLEN``,
+``GET``, ``DBSIZE``, ``UNLINK``), on the stores' own connection (:mod:`.connection`).
+
+Commands on several keys are pipelined, one command per key (one round trip all the same):
+on a cluster node, keys of several slots in one command are refused (``CROSSSLOT``), and a
+node's ``SCAN`` lists keys of all of its slots.
 
 Not a store: nothing here is on an engine's path, so a failure raises (:class:`AdminError`,
 or the ``OSError`` of the socket, ``TimeoutError`` included) for the command line to report
@@ -32,6 +36,8 @@ from .connection import (
 
 # The longest key name or INFO section read: ours are under 100 bytes, INFO's under 8 KiB.
 MAX_NAME_BYTES = 64 * 1024
+# The longest CLUSTER NODES reply read: a line per node, about 200 bytes (and its slots).
+MAX_NODES_BYTES = 4 * 1024 * 1024
 
 
 class AdminError(Exception):
@@ -45,8 +51,8 @@ FAILURES = (AdminError, ProtocolError, OSError)
 class AdminSession:
     """One connection to the server at ``url``, authenticated and on its database."""
 
-    def __init__(self, url: str, *, timeout_s: float, max_value_bytes: int) -> None:
-        self.address = ServerAddress.parse(url)
+    def __init__(self, url: str | ServerAddress, *, timeout_s: float, max_value_bytes: int) -> None:
+        self.address = url if isinstance(url, ServerAddress) else ServerAddress.parse(url)
         self._timeout_s = timeout_s
         self._max_value_bytes = max_value_bytes
         try:
@@ -122,14 +128,20 @@ class AdminSession:
             raise AdminError(f"GET answered {found!r:.40}")
         return found
 
-    def mget(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Values of at most ``max_value_bytes`` each; a longer one ends the session."""
+    def cluster_nodes(self) -> bytes:
+        """``CLUSTER NODES``: every node of the cluster and the slots it serves."""
+        text = self._call(b"CLUSTER", [b"NODES"], limit=MAX_NODES_BYTES)
+        if not isinstance(text, bytes):
+            raise AdminError(f"CLUSTER NODES answered {text!r:.40}")
+        return text
+
+    def values(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Each key's value (``None``: gone), at most ``max_value_bytes`` each (a longer one
+        ends the session), pipelined."""
         if not keys:
             return []
         deadline = Deadline(self._timeout_s)
-        self._link.send([pack(b"MGET", list(keys))], deadline)
-        if self._count(self._link.array_header(deadline)) != len(keys):
-            raise AdminError("MGET answered another number of values than keys asked")
+        self._link.send([b"".join(pack(b"GET", [key]) for key in keys)], deadline)
         values: list[bytes | None] = []
         for _ in keys:
             found = self._link.bulk(deadline, self._max_value_bytes, None)
@@ -140,7 +152,12 @@ class AdminSession:
         return values
 
     def unlink(self, keys: Sequence[bytes]) -> int:
-        return self._integer(self._call(b"UNLINK", list(keys))) if keys else 0
+        """Delete the keys (pipelined); how many were there."""
+        if not keys:
+            return 0
+        deadline = Deadline(self._timeout_s)
+        self._link.send([b"".join(pack(b"UNLINK", [key]) for key in keys)], deadline)
+        return sum(self._integer(self._answer(self._link.reply(deadline))) for _ in keys)
 
     # -- replies -----------------------------------------------------------------------------
 
