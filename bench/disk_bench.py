@@ -11,10 +11,10 @@ other (which goes first alternates), on new keys (so every put writes: the store
 rewriting a block it holds with the same bytes); the GB/s figures are the medians of the
 samples, the ratio is the median of the samples' own ratios, steadier on a shared machine.
 The target is a ratio of 0.80 for the plain format at 64 KiB and 2 MiB blocks; the sealed
-format (a Poly1305 tag per value) is shown next to it. The ``bound`` column is the ratio the
-store would reach if hashing every byte once (XXH3, on the calling thread: the binding holds
-the GIL) were its only cost: where the file system runs at memory speed (the page cache),
-that alone keeps a self-checking store under the plain loop.
+format (an AES-GCM tag per value, as on the remote tier) is shown next to it. The ``bound``
+column is the ratio the store would reach if hashing every byte once (XXH3, on the calling
+thread: the binding holds the GIL) were its only cost: where the file system runs at memory
+speed (the page cache), that alone keeps a self-checking store near or under the target.
 
 Then the restart: the store holding the last sample's blocks is closed and opened again
 (its index rebuilt from the records), and a directory whose records name 1M blocks (4 KiB
