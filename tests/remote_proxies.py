@@ -33,6 +33,7 @@ class _Listener:
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.accepted = 0  # connections accepted so far
         self._acceptor = threading.Thread(target=self._accept, daemon=True)
         self._acceptor.start()
 
@@ -48,6 +49,7 @@ class _Listener:
             except OSError:
                 return
             self._keep(client)
+            self.accepted += 1
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _keep(self, sock: socket.socket) -> None:
