@@ -15,12 +15,13 @@ mix of a batch, is refused and its buffer left byte for byte as it was.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import random
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from hypothesis import given, settings
@@ -30,6 +31,9 @@ from kvoffload.tiers import Namespace, RemoteStore, StoreClosedError, ValkeyStor
 from kvoffload_spec.errors import InvalidArgumentError
 from tests.remote_support import LAYOUT, assert_accounted
 from tests.valkey_server import ValkeyServer
+
+if TYPE_CHECKING:
+    from tests.valkey_cluster import ValkeyCluster
 
 StoreMaker = Callable[..., RemoteStore]
 """``make(namespace=None)``: a new store on the factory's backing storage (``LAYOUT`` by
@@ -74,21 +78,34 @@ def _closing(open_store: Callable[[Any], RemoteStore]) -> Iterator[StoreMaker]:
             store.close()
 
 
-@contextmanager
-def valkey_cluster_stores() -> Iterator[StoreMaker]:
-    """Cluster stores (``cluster=True``) on a real 3-primary Valkey Cluster of their own
-    (no replicas: the contract is about values, not failover; tests/test_remote_cluster.py
-    has those)."""
+_CLUSTER: list[ValkeyCluster] = []  # the process's one cluster, once started
+
+
+def _shared_cluster() -> ValkeyCluster:
+    """A 3-primary cluster for every check this process runs, started at the first and
+    stopped at exit: a cluster takes seconds to form, and a check needs only empty slots."""
     from tests.valkey_cluster import ValkeyCluster
 
-    with (
-        ValkeyCluster(replicas_each=0) as cluster,
-        _closing(
-            lambda namespace: ValkeyStore(
-                cluster.url, namespace=namespace, cluster=True, timeout_s=10
-            )
-        ) as make,
-    ):
+    if not _CLUSTER:
+        cluster = ValkeyCluster(replicas_each=0).start()
+        atexit.register(cluster.close)
+        _CLUSTER.append(cluster)
+    return _CLUSTER[0]
+
+
+@contextmanager
+def valkey_cluster_stores() -> Iterator[StoreMaker]:
+    """Cluster stores (``cluster=True``) on a real 3-primary Valkey Cluster, every primary
+    emptied first (no replicas: the contract is about values, not failover;
+    tests/test_remote_cluster.py has those)."""
+    from tests.valkey_cluster import command
+
+    cluster = _shared_cluster()
+    for server in cluster.servers:
+        command(server, "FLUSHALL")
+    with _closing(
+        lambda namespace: ValkeyStore(cluster.url, namespace=namespace, cluster=True, timeout_s=10)
+    ) as make:
         yield make
 
 

@@ -18,6 +18,8 @@ from tests.helpers import run_cli as run
 from tests.valkey_cluster import ValkeyCluster, command
 from tests.valkey_server import ValkeyServer
 
+pytestmark = pytest.mark.slow  # a cluster of its own: the full gate
+
 MODEL_A = {"model": "a", "block_tokens": 16}
 MODEL_B = {"model": "b", "block_tokens": 16}
 FOREIGN = b"somebody else's key"

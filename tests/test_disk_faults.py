@@ -27,6 +27,8 @@ from kvoffload_spec.errors import InvalidArgumentError
 from tests import disk_writer
 from tests.disk_support import assert_accounted, content, disk_store, whose
 
+pytestmark = pytest.mark.slow  # writers killed, file systems filled: the full gate
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -86,7 +88,6 @@ def test_a_write_torn_by_a_crash_is_refused_never_read(tmp_path: Path) -> None:
     assert sum(found["rejected"] for found in seen) > 0
 
 
-@pytest.mark.slow
 def test_many_kills_on_one_directory_never_leave_a_wrong_byte(tmp_path: Path) -> None:
     """Twenty kills in a row on one directory, half of them tearing a write: each restart
     finds the blocks the last one left, exact, and refuses the torn ones."""

@@ -102,6 +102,7 @@ def assert_every_call_is_bounded(
         store.close()
 
 
+@pytest.mark.slow  # seconds of a trickling link: the full gate
 def test_no_call_outlasts_its_deadline_over_a_trickling_link(
     valkey_server: ValkeyServer, trickle: TrickleProxy
 ) -> None:
@@ -111,6 +112,7 @@ def test_no_call_outlasts_its_deadline_over_a_trickling_link(
     print(f"longest call through the trickling proxy: {max(LONGEST):.3f} s")
 
 
+@pytest.mark.slow  # seconds of a trickling link: the full gate
 @pytest.mark.parametrize("entry", share(CALL_DEADLINE), ids=lambda bug: bug.name)
 def test_the_deadline_check_finds_its_share_of_the_catalogue(
     valkey_server: ValkeyServer, trickle: TrickleProxy, entry: Planted
@@ -120,6 +122,7 @@ def test_the_deadline_check_finds_its_share_of_the_catalogue(
         assert_every_call_is_bounded(valkey_server, trickle, entry.subject)
 
 
+@pytest.mark.slow  # seconds of a trickling link: the full gate
 def test_close_from_another_thread_ends_a_stuck_call_at_once(
     valkey_server: ValkeyServer, trickle: TrickleProxy
 ) -> None:
@@ -136,6 +139,7 @@ def test_close_from_another_thread_ends_a_stuck_call_at_once(
     assert closing < MARGIN_S, f"close() waited {closing:.2f} s behind the call"
 
 
+@pytest.mark.slow  # seconds of a trickling link: the full gate
 def test_a_stuck_fetch_gives_the_pool_back_by_its_deadline(
     valkey_server: ValkeyServer, trickle: TrickleProxy
 ) -> None:
@@ -290,6 +294,7 @@ class Interrupted(Exception):
     """What a signal handler raises in the middle of a send."""
 
 
+@pytest.mark.slow  # seconds of a trickling link: the full gate
 def test_a_send_interrupted_midway_drops_the_connection(
     valkey_server: ValkeyServer, trickle: TrickleProxy
 ) -> None:
@@ -320,6 +325,7 @@ def test_a_send_interrupted_midway_drops_the_connection(
     assert stats.connects == 2 and stats.failures == 0
 
 
+@pytest.mark.slow  # seconds of a trickling link: the full gate
 def test_a_name_lookup_that_hangs_is_under_the_call_deadline(
     valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

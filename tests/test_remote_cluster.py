@@ -22,6 +22,8 @@ from tests.remote_support import assert_accounted
 from tests.valkey_cluster import ValkeyCluster, command
 from tests.valkey_server import ValkeyServer
 
+pytestmark = pytest.mark.slow  # clusters of six servers, nodes killed and moved: the full gate
+
 SECRET = b"cluster-test-secret-0123456789"
 TIMEOUT_S = 0.5
 MARGIN_S = 0.25  # what a call may take past its timeout_s on a loaded 2-core machine
@@ -180,7 +182,6 @@ def test_moved_and_ask_during_a_slot_migration(own_cluster: ValkeyCluster) -> No
         assert owner is not None and owner.port == target.port
 
 
-@pytest.mark.slow
 def test_a_primary_killed_mid_run(own_cluster: ValkeyCluster) -> None:
     keys = [("failover", i) for i in range(300)]
     values = [value(i) for i in range(300)]
@@ -215,7 +216,6 @@ def test_a_primary_killed_mid_run(own_cluster: ValkeyCluster) -> None:
         print(f"failover: hits back {1000 * (recovered_at - killed_at):.0f} ms after the kill")
 
 
-@pytest.mark.slow
 def test_the_whole_cluster_down_then_back(own_cluster: ValkeyCluster) -> None:
     keys = [("down", i) for i in range(60)]
     with store(own_cluster) as remote:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from kvoffload.tiers import ValkeyStore
 from tests.remote_proxies import SelfSigned, TlsProxy
 from tests.valkey_cluster import ValkeyCluster, command
+
+pytestmark = pytest.mark.slow  # a cluster of its own behind proxies: the full gate
 
 SECRET = b"cluster-tls-test-secret-0123456789"
 ANNOUNCED_S = 10.0  # gossip takes a node's new port to the others well within this
@@ -29,9 +30,11 @@ def announced_ports(cluster: ValkeyCluster) -> list[set[int]]:
     return maps
 
 
-@pytest.fixture
-def behind_tls(tmp_path: Path) -> Iterator[tuple[ValkeyCluster, list[TlsProxy], SelfSigned]]:
-    certificate = SelfSigned(tmp_path)
+@pytest.fixture(scope="module")
+def behind_tls(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ValkeyCluster, list[TlsProxy], SelfSigned]]:
+    certificate = SelfSigned(tmp_path_factory.mktemp("tls"))
     with ValkeyCluster(replicas_each=0) as cluster:
         proxies = [TlsProxy(server.port, certificate) for server in cluster.servers]
         try:
