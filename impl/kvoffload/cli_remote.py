@@ -20,7 +20,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvoffload import cli_output as output
@@ -203,17 +203,19 @@ def _primaries(
     from kvoffload.tiers.cluster_map import node_address, parse_nodes, seed_addresses
 
     seeds = seed_addresses(args.remote, tls_ca_file=None, tls_verify=None)
-    failure: Exception | None = None
+    failures: list[Exception] = []
     for seed in seeds:
         try:
             with session(seed) as asked:
                 text = asked.cluster_nodes()
         except AdminError as error:
-            raise InvalidArgumentError(
-                f"{redacted(args.remote)} is not a cluster node ({error}): drop --cluster"
-            ) from None
+            if "cluster support disabled" in str(error):
+                raise InvalidArgumentError(
+                    f"{redacted(args.remote)} is not a cluster node: drop --cluster"
+                ) from None
+            raise _unreachable(args, error) from None  # refused (an ACL user without it)
         except FAILURES as error:
-            failure = error
+            failures.append(error)
             continue
         try:
             slots = parse_nodes(text)
@@ -234,8 +236,7 @@ def _primaries(
                 done.close()
             raise _unreachable(args, error) from None
         return opened
-    assert failure is not None  # a URL names at least one node
-    raise _unreachable(args, failure)
+    raise _unreachable(args, failures[-1] if failures else AdminError("the URL names no node"))
 
 
 def redacted(url: str) -> str:
@@ -249,54 +250,63 @@ def _unreachable(args: argparse.Namespace, error: Exception) -> InvalidArgumentE
     return InvalidArgumentError(f"cannot reach {redacted(args.remote)}: {error}")
 
 
+@dataclass(frozen=True)
+class NodePing:
+    """What ``remote ping`` finds of one server (or one primary of a cluster)."""
+
+    node: str  # host:port
+    server: str  # valkey or redis
+    version: str
+    latency_ms: float  # the best of two round trips on the open connection
+
+    def line(self, name: str) -> str:
+        return f"{name}: {self.server} {self.version}, PONG in {self.latency_ms:.2f} ms"
+
+
 def _ping(args: argparse.Namespace) -> int:
     from kvoffload.tiers.admin import FAILURES
 
-    started = time.perf_counter()
     sessions = _sessions(args)
-    nodes: list[dict[str, object]] = []
+    nodes: list[NodePing] = []
     try:
         for client in sessions:
-            latencies = [time.perf_counter() - started]
+            latencies = []
             for _ in range(2):
                 started = time.perf_counter()
                 client.ping()
                 latencies.append(time.perf_counter() - started)
             info = client.info("server")
+            version = info.get("valkey_version") or info.get("redis_version") or "?"
             nodes.append(
-                {
-                    "node": f"{client.address.host}:{client.address.port}",
-                    "server": "valkey" if "valkey_version" in info else "redis",
-                    "version": str(info.get("valkey_version") or info.get("redis_version") or "?"),
-                    # the first includes connecting
-                    "latency_ms": round(min(latencies[1:]) * 1000, 3),
-                }
+                NodePing(
+                    f"{client.address.host}:{client.address.port}",
+                    "valkey" if "valkey_version" in info else "redis",
+                    version,
+                    round(min(latencies) * 1000, 3),
+                )
             )
-            started = time.perf_counter()
     except FAILURES as error:
         raise _unreachable(args, error) from None
     finally:
         for client in sessions:
             client.close()
-    slowest = max(nodes, key=lambda node: float(str(node["latency_ms"])))
+    slowest = max(nodes, key=lambda node: node.latency_ms)
     if args.json:
-        shown: dict[str, object] = {"url": redacted(args.remote)}
-        shown.update((name, slowest[name]) for name in ("server", "version", "latency_ms"))
+        shown: dict[str, object] = {
+            "url": redacted(args.remote),
+            "server": slowest.server,
+            "version": slowest.version,
+            "latency_ms": slowest.latency_ms,
+        }
         if args.remote_cluster:
-            shown["nodes"] = nodes
+            shown["nodes"] = [asdict(node) for node in nodes]
         output.print_json(shown)
     elif not args.remote_cluster:
-        print(
-            f"{redacted(args.remote)}: {slowest['server']} {slowest['version']}, PONG in "
-            f"{float(str(slowest['latency_ms'])):.2f} ms"
-        )
+        print(slowest.line(redacted(args.remote)))
     else:
         print(f"{redacted(args.remote)}: a cluster of {len(nodes)} primaries")
         for node in nodes:
-            print(
-                f"  {node['node']}: {node['server']} {node['version']}, PONG in "
-                f"{float(str(node['latency_ms'])):.2f} ms"
-            )
+            print("  " + node.line(node.node))
     return 0
 
 
