@@ -285,3 +285,36 @@ def test_a_hung_primary_costs_the_deadline_not_the_others_hits(own_cluster: Valk
         assert_accounted(stats)
         time.sleep(0.15)  # past retry_after_s
         assert [bytes(g or b"") for g in remote.get(keys)] == values
+
+
+def test_a_hung_primary_costs_a_large_put_its_keys_not_the_others() -> None:
+    """The node that the put's first slot belongs to stops reading: 8 MiB for it fill the
+    kernel's buffers, and its send waits out the deadline. Sent after it, the other nodes'
+    shares would find the deadline passed; sent at the same time, they are stored. (A long
+    node timeout: the pause is no failure the cluster acts on.)"""
+    keys = [("hung put", i) for i in range(96)]
+    values = [value(i, 256 * 1024) for i in range(96)]  # ~24 MiB, ~8 MiB a primary
+    with (
+        ValkeyCluster(replicas_each=0, node_timeout_ms=30_000) as cluster,
+        store(cluster, timeout_s=2.0) as remote,
+    ):
+        slots = [key_slot(remote._format.server_key(encode_key(key))) for key in keys]
+        owners = [cluster.owner(slot) for slot in slots]
+        victim = owners[0]  # the first command's node: sent to first, one after another
+        victim.pause()
+        try:
+            started = time.monotonic()
+            stored = remote.put(keys, values)
+            took = time.monotonic() - started
+        finally:
+            victim.resume()
+        assert took <= 2.0 + MARGIN_S, took
+        theirs = [ok for ok, owner in zip(stored, owners, strict=True) if owner is victim]
+        assert theirs == [False] * len(theirs)
+        assert all(ok for ok, owner in zip(stored, owners, strict=True) if owner is not victim)
+        stats = remote.stats()
+        assert stats.timeouts == 1 and stats.failures == 1, stats
+        assert_accounted(stats)
+        time.sleep(0.15)  # past retry_after_s
+        assert all(remote.put(keys, values))
+        assert [bytes(g or b"") for g in remote.get(keys)] == values

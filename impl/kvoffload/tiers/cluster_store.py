@@ -34,6 +34,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,10 @@ from .values import Namespace
 # The map is read again at most this often while it is stale (a node down for a while
 # would otherwise cost every call a CLUSTER NODES round trip).
 _REFRESH_S = 0.05
+# Below this many payload bytes in all, a round sends to its nodes one after another: every
+# node's share fits the kernel's socket buffers, so no send waits for its node to read.
+_ALONE_BELOW = 256 * 1024
+_SENDERS = 8  # helper threads sending to nodes at once (more nodes: they queue)
 _ASKING = pack(b"ASKING", [])
 _CLUSTER_NODES = pack(b"CLUSTER", [b"NODES"])
 # Read returns the error a command was answered with (the stream in step), else None.
@@ -99,6 +104,7 @@ class _Command:
     redirected: bool = False  # a second redirect fails it
     # After a _Drop: the command for the keys it had not read yet (None: it read them all).
     rest: Callable[[], _Command | None] | None = None
+    nbytes: int = 0  # the payload bytes it sends (a put's; the other commands are small)
 
 
 @dataclass(eq=False)
@@ -114,6 +120,8 @@ class _Pool:
     def __init__(self) -> None:
         self.nodes: dict[Endpoint, _Node] = {}
         self.lock = threading.Lock()
+        self._senders: ThreadPoolExecutor | None = None
+        self._senders_pid = 0
 
     def all(self) -> list[_Node]:
         with self.lock:
@@ -126,6 +134,23 @@ class _Pool:
     def close(self) -> None:
         for node in self.all():
             node.held.close()
+
+    def senders(self) -> ThreadPoolExecutor:
+        """The threads that send to several nodes at once (made at first need, and again in
+        a forked child, which inherits none of them)."""
+        with self.lock:
+            if self._senders is None or self._senders_pid != os.getpid():
+                self._senders = ThreadPoolExecutor(_SENDERS, thread_name_prefix="kvoffload-send")
+                self._senders_pid = os.getpid()
+            return self._senders
+
+    def release(self) -> None:
+        """Close every connection and let the sending threads go."""
+        self.close()
+        with self.lock:
+            senders, self._senders = self._senders, None
+        if senders is not None and self._senders_pid == os.getpid():
+            senders.shutdown(wait=False)
 
 
 class ClusterStore(ValkeyStore):
@@ -159,7 +184,7 @@ class ClusterStore(ValkeyStore):
         self._pool = _Pool()
         for seed in self._seeds:
             self._pool.nodes[Endpoint(seed.host or "", seed.port)] = _Node(seed)
-        self._cluster_finalizer = weakref.finalize(self, self._pool.close)
+        self._cluster_finalizer = weakref.finalize(self, self._pool.release)
         self._map: SlotMap | None = None
         self._stale = True
         self._refreshed_at = -_REFRESH_S
@@ -184,7 +209,7 @@ class ClusterStore(ValkeyStore):
         self._pool.shutdown()
         if self._io.acquire(blocking=False):
             try:
-                self._pool.close()
+                self._pool.release()
             finally:
                 self._io.release()
 
@@ -291,7 +316,8 @@ class ClusterStore(ValkeyStore):
         for slot, indices in _by_slot(names).items():
             for start, stop in _batches([payloads[i] for i in indices]):
                 part = indices[start:stop]
-                commands.append(_Command(slot, sends(part), reader(part)))
+                size = sum(payloads[i].nbytes for i in part)
+                commands.append(_Command(slot, sends(part), reader(part), nbytes=size))
         self._run(commands, Deadline(self._timeout_s))
         good = sum(stored)
         sent = sum(p.nbytes for p, ok in zip(payloads, stored, strict=True) if ok)
@@ -383,40 +409,89 @@ class ClusterStore(ValkeyStore):
                 orphans = True  # no node serves the slot now (or no map yet): unavailable
                 continue
             grouped.setdefault(to, []).append(command)
-        sent: list[tuple[_Node, Link, list[_Command], bool]] = []
+        targets: list[tuple[_Node, list[_Command]]] = []
         skipped = int(orphans)
         for to, group in grouped.items():
             node = self._node(to)
             if time.monotonic() < node.down_until:
                 skipped += 1
                 continue
-            opened = True  # until the link is found: a reset while connecting is no retry
-            try:
-                link, opened = self._node_link(node, deadline)
-                self._send(link, group, deadline)
-            except (ConnectionResetError, BrokenPipeError) as error:
-                if opened:
-                    self._node_failed(node, "connection_errors", error)
-                    continue
-                # An idle connection found dead: no news about the node; once more, anew.
-                node.held.close()
-                self._count(retries=1)
-                try:
-                    link, opened = self._node_link(node, deadline)
-                    self._send(link, group, deadline)
-                except Exception as second:
-                    self._fail_by_kind(node, second)
-                    continue
-            except Exception as error:
-                self._fail_by_kind(node, error)
-                continue
-            sent.append((node, link, group, opened))
+            targets.append((node, group))
         if skipped:
             self._count(skipped=skipped)
         again: list[_Command] = []
-        for node, link, group, opened in _as_ready(sent, deadline):
+        if len(targets) < 2 or _group_bytes(targets) < _ALONE_BELOW:
+            sent = [self._send_group(node, group, deadline) for node, group in targets]
+            answering = _as_ready([entry for entry in sent if entry is not None], deadline)
+        else:
+            answering = self._sent_at_once(targets, deadline)
+        for node, link, group, opened in answering:
             again += self._replies(node, link, group, deadline, opened, final)
         return again
+
+    def _sent_at_once(
+        self, targets: list[tuple[_Node, list[_Command]]], deadline: Deadline
+    ) -> Iterator[_Sent]:
+        """Each node's commands sent by a helper thread of its own, all at once; the nodes
+        sent to, in the order their replies start to come (those that failed: counted).
+
+        A node that stops reading (a process paused, a link cut without a reset) holds a
+        send once the kernel's buffers are full, until the deadline. Sent one node after
+        another, a large put would then reach no node after it, and a reply read only after
+        that send would find the deadline passed: past ``_ALONE_BELOW`` bytes, the nodes are
+        sent to at once (the socket releases the GIL while the kernel copies), and the
+        calling thread reads each node's replies as they come.
+        """
+        helpers = self._pool.senders()
+        futures = {
+            helpers.submit(self._send_and_wait, node, group, deadline): node
+            for node, group in targets
+        }
+        try:
+            for future in as_completed(futures):
+                entry = future.result()
+                if entry is not None:
+                    yield entry
+        finally:
+            # However the call ends, no helper goes on sending after it.
+            for future, node in futures.items():
+                if not future.done():
+                    node.held.shutdown()
+            wait(futures)
+
+    def _send_and_wait(
+        self, node: _Node, group: list[_Command], deadline: Deadline
+    ) -> _Sent | None:
+        """``_send_group``, then wait (within ``deadline``) for the node's first reply byte."""
+        entry = self._send_group(node, group, deadline)
+        if entry is not None and not entry[1].buffered():
+            with selectors.DefaultSelector() as selector:
+                selector.register(entry[1].sock, selectors.EVENT_READ)
+                selector.select(max(deadline.at - time.monotonic(), 0))
+        return entry
+
+    def _send_group(self, node: _Node, group: list[_Command], deadline: Deadline) -> _Sent | None:
+        opened = True  # until the link is found: a reset while connecting is no retry
+        try:
+            link, opened = self._node_link(node, deadline)
+            self._send(link, group, deadline)
+        except (ConnectionResetError, BrokenPipeError) as error:
+            if opened:
+                self._node_failed(node, "connection_errors", error)
+                return None
+            # An idle connection found dead: no news about the node; once more, anew.
+            node.held.close()
+            self._count(retries=1)
+            try:
+                link, opened = self._node_link(node, deadline)
+                self._send(link, group, deadline)
+            except Exception as second:
+                self._fail_by_kind(node, second)
+                return None
+        except Exception as error:
+            self._fail_by_kind(node, error)
+            return None
+        return node, link, group, opened
 
     def _send(self, link: Link, group: list[_Command], deadline: Deadline) -> None:
         """A node's commands, gathered into sends of about ``_SEND_EVERY`` bytes."""
@@ -611,6 +686,10 @@ def _as_ready(sent: list[_Sent], deadline: Deadline) -> Iterator[_Sent]:
                 remaining.remove(entry)
                 selector.unregister(entry[1].sock)
                 yield entry
+
+
+def _group_bytes(targets: list[tuple[_Node, list[_Command]]]) -> int:
+    return sum(command.nbytes for _, group in targets for command in group)
 
 
 def _by_slot(names: list[bytes]) -> dict[int, list[int]]:
