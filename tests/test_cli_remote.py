@@ -125,6 +125,28 @@ def test_stats_lists_every_namespace_with_its_values_checked(
     assert [e["namespace"] for e in json.loads(out)["namespaces"]] == [plain_id(MODEL_B)]
 
 
+def test_stats_takes_a_key_of_another_type_under_our_prefix_for_no_value(
+    valkey_server: ValkeyServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Anyone who can write to the server can put a list or a hash under a namespace's
+    prefix: STRLEN and GET answer WRONGTYPE for it, which must not end the command."""
+    expected = seeded(valkey_server)
+    earlier = Namespace.of("an earlier run")
+    client = client_of(valkey_server)
+    client.rpush((earlier.key_prefix + b"a list").decode(), "x")
+    client.hset((earlier.key_prefix + b"a hash").decode(), "field", "x")
+    code, out, err = run(["remote", "stats", valkey_server.url, "--json"], capsys)
+    assert (code, err) == (0, "")
+    found = {entry["namespace"]: entry for entry in json.loads(out)["namespaces"]}
+    entry = found[plain_id("an earlier run")]
+    keys, size = expected[plain_id("an earlier run")]
+    assert (entry["keys"], entry["bytes"]) == (keys + 2, size)  # counted, no bytes of value
+    assert entry["sample"] == {"checked": 4, "valid": 3, "checksum": 1}  # no value to check
+    argv = ["remote", "clear", valkey_server.url, "--namespace", plain_id("an earlier run")]
+    code, out, _ = run([*argv, "--yes", "--json"], capsys)
+    assert code == 0 and json.loads(out)["deleted"] == keys + 2
+
+
 def test_stats_checks_sealed_values_as_far_as_it_can_without_the_secret(
     valkey_server: ValkeyServer, capsys: pytest.CaptureFixture[str]
 ) -> None:

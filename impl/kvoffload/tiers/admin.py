@@ -114,12 +114,16 @@ class AdminSession:
         return int(next_cursor), [key for key in keys if key is not None]
 
     def strlens(self, keys: Sequence[bytes]) -> list[int]:
-        """Each key's value length (0: gone), pipelined: one round trip."""
+        """Each key's value length (0: gone, or not a string: anyone may write any type
+        under any name), pipelined: one round trip."""
         if not keys:
             return []
         deadline = Deadline(self._timeout_s)
         self._link.send([b"".join(pack(b"STRLEN", [key]) for key in keys)], deadline)
-        return [self._integer(self._answer(self._link.reply(deadline))) for _ in keys]
+        lengths = [self._link.reply(deadline) for _ in keys]
+        return [
+            0 if isinstance(length, ErrorReply) else self._integer(length) for length in lengths
+        ]
 
     def get_text(self, key: bytes) -> bytes | None:
         """A short value (a description), or ``None``."""
@@ -136,19 +140,20 @@ class AdminSession:
         return text
 
     def values(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Each key's value (``None``: gone), at most ``max_value_bytes`` each (a longer one
-        ends the session), pipelined."""
+        """Each key's value (``None``: gone, or not a string), at most ``max_value_bytes``
+        each (a longer one ends the session), pipelined."""
         if not keys:
             return []
         deadline = Deadline(self._timeout_s)
         self._link.send([b"".join(pack(b"GET", [key]) for key in keys)], deadline)
         values: list[bytes | None] = []
         for _ in keys:
-            found = self._link.bulk(deadline, self._max_value_bytes, None)
+            found = self._link.value_reply(deadline, self._max_value_bytes)
             if isinstance(found, Oversized):
                 limit = self._max_value_bytes
                 raise AdminError(f"a value of {found.length:,} bytes, over {limit:,}")
-            values.append(None if found is None else bytes(found))
+            # Not a string (WRONGTYPE): no store's value, as a null is none.
+            values.append(bytes(found) if isinstance(found, memoryview) else None)
         return values
 
     def unlink(self, keys: Sequence[bytes]) -> int:

@@ -240,6 +240,14 @@ class Link:
             return None
         raise ProtocolError(f"{_shown(kind, line)} where a bulk string was expected")
 
+    def value_reply(self, deadline: Deadline, limit: int) -> memoryview | Oversized | Reply:
+        """A command's reply that should be a bulk string of at most ``limit`` bytes (read
+        into a new buffer), a null or an error (:class:`Oversized`: nothing of it read)."""
+        kind, line = self._line(deadline)
+        if kind == 0x24:  # $
+            return self.bulk_after(_integer(line), deadline, limit, None)
+        return self._other(kind, line, deadline)
+
     def bulk_after(
         self, length: int, deadline: Deadline, limit: int, into: bytearray | None
     ) -> memoryview | Oversized | None:
