@@ -318,7 +318,7 @@ class NamespaceStats:
     keys: int = 0
     size: int = 0  # bytes of the values
     description: str | None = None
-    sample: list[bytes] = field(default_factory=list)
+    sampled: int = 0  # of its values read and checked (``checked`` says how they were found)
     checked: Counter[str] = field(default_factory=Counter)
 
     @property
@@ -363,8 +363,8 @@ def scan_namespaces(
                     continue
                 stats.keys += 1
                 stats.size += size
-                if len(stats.sample) < sample:
-                    stats.sample.append(key)
+                if stats.sampled < sample:
+                    stats.sampled += 1
                     sampled.setdefault(stats.namespace, []).append(key)
             if cursor == 0:
                 break
@@ -383,7 +383,7 @@ def _text(value: object) -> str | None:
 
 
 def _check_sample(client: AdminSession, stats: NamespaceStats, keys: list[bytes]) -> None:
-    """Each value of ``keys`` (of ``stats``'s sample, on ``client``'s server) checked as a
+    """Each value of ``keys`` (sampled of ``stats``'s, on ``client``'s server) checked as a
     store reading it would: a plain one entirely (its fingerprint is in its key), a sealed
     one as far as it can be without the secret."""
     from kvoffload.tiers.values import (

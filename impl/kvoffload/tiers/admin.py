@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from kvoffload_spec.errors import InvalidArgumentError
 
 from .address import ServerAddress
+from .cluster_map import MAX_MAP_BYTES
 from .connection import (
     MAX_LINE,
     Deadline,
@@ -36,8 +37,6 @@ from .connection import (
 
 # The longest key name or INFO section read: ours are under 100 bytes, INFO's under 8 KiB.
 MAX_NAME_BYTES = 64 * 1024
-# The longest CLUSTER NODES reply read: a line per node, about 200 bytes (and its slots).
-MAX_NODES_BYTES = 4 * 1024 * 1024
 
 
 class AdminError(Exception):
@@ -118,8 +117,7 @@ class AdminSession:
         under any name), pipelined: one round trip."""
         if not keys:
             return []
-        deadline = Deadline(self._timeout_s)
-        self._link.send([b"".join(pack(b"STRLEN", [key]) for key in keys)], deadline)
+        deadline = self._send_each(b"STRLEN", keys)
         lengths = [self._link.reply(deadline) for _ in keys]
         return [
             0 if isinstance(length, ErrorReply) else self._integer(length) for length in lengths
@@ -134,7 +132,7 @@ class AdminSession:
 
     def cluster_nodes(self) -> bytes:
         """``CLUSTER NODES``: every node of the cluster and the slots it serves."""
-        text = self._call(b"CLUSTER", [b"NODES"], limit=MAX_NODES_BYTES)
+        text = self._call(b"CLUSTER", [b"NODES"], limit=MAX_MAP_BYTES)
         if not isinstance(text, bytes):
             raise AdminError(f"CLUSTER NODES answered {text!r:.40}")
         return text
@@ -144,8 +142,7 @@ class AdminSession:
         each (a longer one ends the session), pipelined."""
         if not keys:
             return []
-        deadline = Deadline(self._timeout_s)
-        self._link.send([b"".join(pack(b"GET", [key]) for key in keys)], deadline)
+        deadline = self._send_each(b"GET", keys)
         values: list[bytes | None] = []
         for _ in keys:
             found = self._link.value_reply(deadline, self._max_value_bytes)
@@ -160,9 +157,14 @@ class AdminSession:
         """Delete the keys (pipelined); how many were there."""
         if not keys:
             return 0
-        deadline = Deadline(self._timeout_s)
-        self._link.send([b"".join(pack(b"UNLINK", [key]) for key in keys)], deadline)
+        deadline = self._send_each(b"UNLINK", keys)
         return sum(self._integer(self._answer(self._link.reply(deadline))) for _ in keys)
+
+    def _send_each(self, verb: bytes, keys: Sequence[bytes]) -> Deadline:
+        """``verb`` once per key, pipelined (see the module); the deadline of its replies."""
+        deadline = Deadline(self._timeout_s)
+        self._link.send([b"".join(pack(verb, [key]) for key in keys)], deadline)
+        return deadline
 
     # -- replies -----------------------------------------------------------------------------
 
