@@ -59,10 +59,11 @@ SLOW_DOCS = ("conformance.md", "user_guide.md")
 # The gate's longest files, longest first: the sums of their tests' durations in a full run
 # on a loaded 2-core machine (2026-12) were 690 s (CrossHair on the spec, two processes),
 # 530 (the explorations), 475 (the conformance runs), 390 (CrossHair on the manager, two
-# processes), 150 (the offloader machine), 130 (the installed command), 105 (the catalogue)
-# and 70 (the soak); the next file, 50. xdist hands whole files to its workers in
-# collection order (pyproject.toml turns its reordering by number of tests off): a long
-# file handed out last would run alone on one core while the other idles.
+# processes), 150 (the offloader machine), 130 (the installed command), 105 (the catalogue),
+# 75 on an idle machine (the policies' whole-trace sweeps) and 70 (the soak); the next, 50.
+# xdist hands whole files to its workers in collection order (pyproject.toml turns its
+# reordering by number of tests off): a long file handed out last would run alone on one
+# core while the other idles.
 LONGEST_FIRST = (
     "test_crosshair.py",
     "test_explore.py",
@@ -71,6 +72,7 @@ LONGEST_FIRST = (
     "test_offloader_stateful.py",
     "test_first_use.py",
     "test_catalogue.py",
+    "test_policy_quality.py",
     "test_soak_smoke.py",
 )
 
