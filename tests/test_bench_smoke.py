@@ -300,3 +300,38 @@ def test_the_disk_benchmark_writes_what_it_prints(tmp_path: Path) -> None:
     opened = printed["open_1m"]
     assert isinstance(opened, dict)
     assert_positive_numbers(opened, "seconds", "ram_bytes_per_block")
+
+
+def test_the_policy_research_writes_what_it_prints(tmp_path: Path) -> None:
+    printed = run_quick("policy_research.py", tmp_path / "research.json", timeout=120)
+    assert printed["benchmark"] == "policy_research" and printed["quick"] is True
+    assert printed["lru_matches_sweep"] is True  # else its columns are not the sweep's
+    found = listed(printed, "rows")
+    rules = ("lru", "lru2", "tinylfu", "admission-duel", "three-way-duel")
+    assert [(row["rule"], row["capacity"]) for row in found] == [
+        (rule, capacity) for capacity in (500, 1000) for rule in rules
+    ]
+    for row in found:
+        ratio, leads = row["hit_ratio"], row["leads"]
+        assert isinstance(ratio, float) and 0 <= ratio <= 1
+        assert isinstance(leads, dict)
+        assert (leads == {}) is (row["rule"] in ("lru", "lru2", "tinylfu"))
+        assert not leads or math.isclose(sum(leads.values()), 1.0)
+
+
+def test_the_policy_research_admission_refuses_what_is_asked_for_less(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two blocks of room: LRU lets a one-shot pair flush the pair asked for next, while
+    admission keeps it (the newcomers were asked for no more often than their victims)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    from kvoffload.replay.traces import Trace
+    from policy_research import replay
+
+    trace = Trace("tiny", ((1, 2), (3, 4), (1, 2)))
+    assert replay(trace, 2, "lru").hit_ratio == 0.0
+    assert replay(trace, 2, "tinylfu").hit_ratio == 2 / 6
+    # Asked for a second time, the pair wins against victims asked for once: stored then,
+    # it hits the third time.
+    again = Trace("again", ((1, 2), (3, 4), (3, 4), (3, 4)))
+    assert replay(again, 2, "tinylfu").hit_ratio == 2 / 8
