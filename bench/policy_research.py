@@ -25,7 +25,7 @@ The rules:
   one with the highest score (a tie goes to the earlier).
 
 The shadows are full-size, not sampled as ``duel``'s are. ``python bench/policy_research.py
---trace tests/traces/agentic-dev.jsonl.gz --capacities 15k,30k,60k`` takes about 10
+--trace tests/traces/agentic-dev.jsonl.gz --capacities 15k,30k,60k`` takes about 7
 minutes on one core; ``--quick`` is a smoke run of a few seconds.
 """
 
