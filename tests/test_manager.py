@@ -169,6 +169,25 @@ def test_a_user_policy_chooses_the_victims() -> None:
     assert plan is not None and plan.evicted_keys == ("a",)
 
 
+class Refuses(Fifo):
+    """A user's policy that finds no victim, however many blocks may go."""
+
+    def choose_victims(self, need: int, protected: Container[Key]) -> list[Key] | None:
+        return None
+
+
+def test_a_user_policy_that_finds_no_victim_refuses_the_store_and_changes_nothing() -> None:
+    manager = OffloadManager(2, Refuses)
+    stored(manager, ["a", "b"])
+    before = manager.stats()
+    assert manager.prepare_store(["a", "c", "d"]) is None
+    after = manager.stats()
+    assert after.rejected_stores == before.rejected_stores + 1
+    assert dataclasses.replace(after, rejected_stores=before.rejected_stores) == before
+    assert [manager.lookup(key) for key in "abc"] == [Lookup.HIT, Lookup.HIT, Lookup.MISS]
+    manager.check_invariants()
+
+
 class Abstract(EvictionPolicy):
     """Forgets to implement the interface."""
 
