@@ -200,6 +200,8 @@ def test_a_store_failing_half_way_is_never_readable_and_harms_no_other_block(run
     rig.settle()
     assert torch.equal(rig.loaded("fresh", 5), fresh)
     assert torch.equal(rig.loaded("kept", 6), kept)
+    copies = rig.offloader.transfer_stats()
+    assert (copies.stores, copies.stores_failed, copies.loads, copies.loads_failed) == (3, 1, 2, 0)
     rig.close()
 
 
@@ -213,6 +215,8 @@ def test_a_load_failing_half_way_releases_its_pins_and_is_reported() -> None:
     (done,) = rig.settle()
     assert not done.ok and rig.manager.stats().pinned == 0
     assert torch.equal(rig.loaded("a", 5), stored)  # the CPU block is intact
+    copies = rig.offloader.transfer_stats()
+    assert (copies.stores, copies.stores_failed, copies.loads, copies.loads_failed) == (1, 0, 2, 1)
     rig.close()
 
 
@@ -346,6 +350,7 @@ def test_an_abandoned_store_keeps_its_slot_until_its_job_ends() -> None:
     rig = Rig.build(cpu_blocks=3)
     assert abandon_a_stalled_store_then_reuse_the_pool(rig)
     assert rig.manager.stats().quarantined == 0 and rig.manager.num_free_blocks == 1
+    assert rig.offloader.transfer_stats().finished_abandoned == 1
     rig.close()
 
 
