@@ -133,13 +133,13 @@ class Pool:
                 self.history.popitem(last=False)
 
     def step(self, request: Sequence[Key], order: str, admits: bool, counts: Counts) -> int:
-        """Serve ``request``: its prefix hits, then its store and its touch."""
+        """Serve ``request`` (distinct keys, as a ``Trace`` holds them): its prefix hits, then
+        its store and its touch."""
         hits = self.prefix_hits(request)
         self.score = self.score * DUEL_DECAY + hits
-        distinct = list(dict.fromkeys(request))
-        protected = set(distinct)
-        ready = {key for key in distinct if key in self.recency}
-        absent = [key for key in distinct if key not in ready]
+        protected = set(request)
+        ready = {key for key in request if key in self.recency}
+        absent = [key for key in request if key not in ready]
         free = self.capacity - len(self.recency)
         stored: list[Key] = []
         if admits:
@@ -172,11 +172,11 @@ class Pool:
             self.recency.move_to_end(key)
             self.clock += 1
             if self.second_use:
-                if key in ready and key in self.last:  # used again while resident
+                if key in ready:  # used again while resident
                     self.penult[key] = self.last[key]
                 self.last[key] = self.clock
         if self.second_use:
-            for key in dict.fromkeys(request):
+            for key in request:
                 if key in self.recency:
                     entry = (self.penult[key], self.last[key], key)
                     heapq.heappush(self.by_second, entry)
@@ -202,7 +202,7 @@ def replay(trace: Trace, capacity: int, rule: str) -> Row:
     led = Counter[str]()
     hits = 0
     for request in trace.requests:
-        counts.offer(list(dict.fromkeys(request)))
+        counts.offer(request)
         leader = contenders[0]
         if shadows:
             best = max(shadow.score for shadow in shadows)
